@@ -1,0 +1,254 @@
+"""`tenantq ...`: a thin layer over Queue and Worker. Bad input exits non-zero
+with one line on stderr and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+
+from tenantq import __version__
+from tenantq.errors import InvalidInput, TenantqError
+from tenantq.queue import Queue
+from tenantq.store import validation
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _queue() -> Queue:
+    return Queue()
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, default=str, indent=2))
+
+
+@click.group()
+@click.version_option(__version__, prog_name="tenantq")
+def cli() -> None:
+    """tenantq: fair, isolated background jobs for multi-tenant apps."""
+
+
+@cli.command()
+def migrate() -> None:
+    """Install or upgrade tenantq's tables (idempotent, safe to run concurrently)."""
+    with _queue() as q:
+        click.echo(q.migrate().summary())
+
+
+@cli.command()
+@click.option("--tenant", required=True, help="Tenant the job belongs to.")
+@click.option("--kind", required=True, help="Handler name, e.g. reports.render.")
+@click.option("--payload", default="null", show_default=True, help="JSON payload.")
+@click.option("--priority", default="default", show_default=True,
+              help="interactive | default | bulk")
+@click.option("--max-attempts", type=int, default=5, show_default=True)
+@click.option("--delay", type=float, default=0.0, show_default=True, help="Seconds before it may run.")
+@click.option("--key", default=None, help="Idempotency key, unique per tenant.")
+def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: int,
+            delay: float, key: str | None) -> None:
+    """Enqueue one job and print its id."""
+    parsed = validation.parse_payload(payload)
+    with _queue() as q:
+        click.echo(q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
+                             delay=delay, key=key))
+
+
+@cli.command()
+@click.option("--tenant", default=None)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(tenant: str | None, as_json: bool) -> None:
+    """Per tenant and class: pending, running, done, dead, oldest pending age."""
+    from tenantq.render import status_tables
+
+    with _queue() as q:
+        rows, tenants, batches = q.status(tenant), q.tenants(tenant), q.running_batches()
+    if as_json:
+        _emit_json({"queues": rows, "tenants": tenants, "running_batches": batches})
+        return
+    status_tables(rows, tenants, batches)
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+def job(job_id: int, as_json: bool) -> None:
+    """Show one job, and why it waits if it is pending."""
+    from tenantq.render import job_panel
+
+    with _queue() as q:
+        info = q.job(job_id)
+    if as_json:
+        _emit_json(info.as_json())
+        return
+    job_panel(info)
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+def cancel(job_id: int) -> None:
+    """Cancel a pending job."""
+    with _queue() as q:
+        if not q.cancel(job_id):
+            raise InvalidInput(f"job {job_id} is not pending; only pending jobs can be cancelled")
+    click.echo(f"cancelled {job_id}")
+
+
+@cli.group()
+def dead() -> None:
+    """The dead-letter list: jobs that used all their attempts."""
+
+
+@dead.command("list")
+@click.option("--tenant", default=None)
+@click.option("--limit", type=int, default=100, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def dead_list(tenant: str | None, limit: int, as_json: bool) -> None:
+    """List dead jobs, newest first."""
+    from tenantq.render import dead_table
+
+    with _queue() as q:
+        rows = q.dead_jobs(tenant, limit=limit)
+    if as_json:
+        _emit_json(rows)
+        return
+    dead_table(rows)
+
+
+@dead.command("retry")
+@click.argument("job_id", type=int, required=False)
+@click.option("--all", "all_", is_flag=True, help="Replay every dead job (of --tenant).")
+@click.option("--tenant", default=None)
+def dead_retry(job_id: int | None, all_: bool, tenant: str | None) -> None:
+    """Send dead jobs back to pending with fresh attempts."""
+    if (job_id is None) == (not all_):
+        raise InvalidInput("give a job id or --all, not both and not neither")
+    with _queue() as q:
+        ids = q.retry_dead(None if all_ else [int(job_id or 0)], tenant=tenant)
+    if job_id is not None and not ids:
+        raise InvalidInput(f"job {job_id} is not dead (or does not exist)")
+    click.echo(f"replayed {len(ids)} job(s)")
+
+
+@cli.group()
+def tenant() -> None:
+    """Tenant settings."""
+
+
+@tenant.command("set")
+@click.argument("tenant_id")
+@click.option("--weight", type=int, default=None, help="Plan-tier weight (default 1).")
+@click.option("--max-sandboxes", type=int, default=None, help="Cap on running batches; 0 = no cap.")
+def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None) -> None:
+    """Set a tenant's weight and concurrency cap."""
+    with _queue() as q:
+        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes)
+    cap = row["max_sandboxes"] if row["max_sandboxes"] is not None else "none"
+    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}")
+
+
+@cli.command()
+def reap() -> None:
+    """Reap expired leases now (workers also do this on their own)."""
+    with _queue() as q:
+        click.echo(f"reaped {q.reap()} job(s) from expired leases")
+
+
+@cli.group()
+def db() -> None:
+    """The embedded Postgres (used when TENANTQ_DATABASE_URL is unset)."""
+
+
+@db.command("url")
+def db_url() -> None:
+    """Print the DSN tenantq uses (starting the embedded server if needed)."""
+    with _queue() as q:
+        click.echo(q.db.dsn)
+
+
+@db.command("stop")
+def db_stop() -> None:
+    """Stop the embedded Postgres if it runs."""
+    from tenantq.settings import Settings
+    from tenantq.store.embedded import stop_embedded
+
+    stopped = stop_embedded(Settings().data_dir)
+    click.echo("stopped the embedded Postgres" if stopped else "the embedded Postgres is not running")
+
+
+@cli.command()
+@click.option("--app", "app", required=True, help="Module that registers the handlers.")
+@click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
+              default="inline", show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 10000), default=10, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True)
+@click.option("--poll-seconds", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
+              help="Polling fallback when no NOTIFY arrives.")
+@click.option("--backoff-base", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+              help="Retry backoff base in seconds (full jitter, doubling per attempt).")
+@click.option("--backoff-cap", type=click.FloatRange(0, 86400), default=600.0, show_default=True)
+@click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
+def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seconds: float,
+           poll_seconds: float, backoff_base: float, backoff_cap: float, once: bool) -> None:
+    """Run jobs: lease batches fairly, run them, settle every job."""
+    from tenantq.dispatch.outcome import Backoff
+    from tenantq.dispatch.worker import Worker, WorkerConfig
+    from tenantq.registry import REGISTRY, load_app
+    from tenantq.sandbox.inline import InlineExecutor
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if sandbox != "inline":
+        raise InvalidInput(f"sandbox driver {sandbox!r} is not available yet; use --sandbox inline")
+    load_app(app)
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
+                          poll_seconds=poll_seconds, once=once,
+                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap))
+    with _queue() as q:
+        db_ = q.db
+    w = Worker(db_, InlineExecutor(REGISTRY), config)
+    _install_signal_handlers(w.stop)
+    stats = w.run()
+    click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
+
+
+def _install_signal_handlers(stop: Callable[[], None]) -> None:
+    received = {"count": 0}
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        received["count"] += 1
+        if received["count"] > 1:
+            # second signal: leave now; unfinished leases expire and are reaped
+            os._exit(128 + signum)
+        logging.getLogger("tenantq.worker").info(
+            "received %s: finishing running jobs, releasing the rest", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except TenantqError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

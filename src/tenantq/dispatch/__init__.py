@@ -1,0 +1,1 @@
+"""The dispatcher: leases batches, runs them, settles every job."""

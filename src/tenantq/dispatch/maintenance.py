@@ -1,0 +1,107 @@
+"""Per-worker background duties: heartbeat its leases, reap expired ones.
+
+Every running worker reaps every expired lease (not only its own), so no
+user cron is needed and a killed dispatcher's jobs come back within one
+lease period plus one reap interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+
+from tenantq.store import jobs
+from tenantq.store.db import Pool
+from tenantq.store.queries import sql
+
+log = logging.getLogger("tenantq.maintenance")
+
+REPAIR_EVERY_SECONDS = 60.0
+PRUNE_EVERY_SECONDS = 3600.0
+KEEP_ENDED_BATCHES_SECONDS = 7 * 24 * 3600.0
+
+
+class LeaseBook:
+    """The batches this worker holds, shared by slots and the heartbeat."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self._lost: set[int] = set()
+
+    def add(self, batch_id: int) -> None:
+        with self._lock:
+            self._live.add(batch_id)
+
+    def remove(self, batch_id: int) -> None:
+        with self._lock:
+            self._live.discard(batch_id)
+            self._lost.discard(batch_id)
+
+    def live(self) -> list[int]:
+        with self._lock:
+            return sorted(self._live - self._lost)
+
+    def mark_lost(self, batch_ids: set[int]) -> None:
+        with self._lock:
+            self._lost |= batch_ids & self._live
+
+    def is_lost(self, batch_id: int) -> bool:
+        with self._lock:
+            return batch_id in self._lost
+
+
+class Maintenance(threading.Thread):
+    def __init__(
+        self,
+        pool: Pool,
+        leases: LeaseBook,
+        *,
+        lease_seconds: float,
+        stopping: threading.Event,
+        on_reaped: Callable[[int], None] | None = None,
+    ) -> None:
+        super().__init__(name="tenantq-maintenance", daemon=True)
+        self.pool = pool
+        self.leases = leases
+        self.lease_seconds = lease_seconds
+        self.stopping = stopping
+        self.on_reaped = on_reaped
+        # heartbeat three times per lease so one missed beat loses nothing
+        self.interval = max(0.05, lease_seconds / 3)
+        self._last_repair = 0.0
+        self._last_prune = 0.0
+
+    def run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                self.tick()
+            except psycopg.Error as exc:
+                log.warning("maintenance tick failed (%s); will retry", str(exc).strip()[:200])
+
+    def tick(self) -> None:
+        with self.pool.connection() as conn:
+            held = self.leases.live()
+            if held:
+                alive = jobs.heartbeat(conn, held, lease_seconds=self.lease_seconds)
+                lost = set(held) - alive
+                if lost:
+                    log.warning("lost leases %s: their results will be refused", sorted(lost))
+                    self.leases.mark_lost(lost)
+            reaped = jobs.expire_leases(conn)
+            if reaped:
+                log.warning("reaped %d jobs from expired leases", len(reaped))
+                if self.on_reaped is not None:
+                    self.on_reaped(len(reaped))
+            now = time.monotonic()
+            if now - self._last_repair >= REPAIR_EVERY_SECONDS:
+                self._last_repair = now
+                conn.execute(sql("queues", "repair"))
+            if now - self._last_prune >= PRUNE_EVERY_SECONDS:
+                self._last_prune = now
+                conn.execute(sql("batches", "prune"), {"keep_seconds": KEEP_ENDED_BATCHES_SECONDS,
+                                                       "now": None})

@@ -1,0 +1,71 @@
+"""Wake idle slots: LISTEN/NOTIFY with a polling fallback.
+
+Enqueues NOTIFY the schema's channel in their transaction, so a wake-up is
+delivered only once the jobs are visible. Slots wait on a generation
+counter: a notification that arrives between a slot's empty claim and its
+wait still wakes it (the generation moved), and a lost connection only
+degrades wake-ups to the poll interval until the listener reconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg
+from psycopg import sql as pgsql
+
+from tenantq.store.db import Database
+
+log = logging.getLogger("tenantq.wakeup")
+
+
+class Wakeup:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        with self._cond:
+            return self._generation
+
+    def fire(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait(self, seen_generation: int, timeout: float) -> None:
+        """Return when the generation moves past `seen_generation` or after `timeout`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._generation != seen_generation, timeout=timeout)
+
+
+class Listener(threading.Thread):
+    """A dedicated connection that LISTENs and fires the Wakeup."""
+
+    def __init__(self, db: Database, wakeup: Wakeup, stopping: threading.Event) -> None:
+        super().__init__(name="tenantq-listener", daemon=True)
+        self.db = db
+        self.wakeup = wakeup
+        self.stopping = stopping
+        self.listening = threading.Event()
+
+    def run(self) -> None:
+        retry_delay = 0.5
+        while not self.stopping.is_set():
+            try:
+                with psycopg.connect(self.db.conninfo, autocommit=True) as conn:
+                    conn.execute(pgsql.SQL("LISTEN {}").format(pgsql.Identifier(self.db.notify_channel)))
+                    self.listening.set()
+                    retry_delay = 0.5
+                    # A reconnect may have missed notifications: wake everyone once.
+                    self.wakeup.fire()
+                    while not self.stopping.is_set():
+                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                            self.wakeup.fire()
+            except psycopg.Error as exc:
+                self.listening.clear()
+                log.warning("listener lost its connection (%s); retrying", str(exc).strip()[:200])
+                self.stopping.wait(retry_delay)
+                retry_delay = min(retry_delay * 2, 10.0)

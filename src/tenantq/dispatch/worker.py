@@ -1,0 +1,271 @@
+"""`tenantq worker`: slots that lease batches, run them, and settle them.
+
+Each of `concurrency` slot threads loops: pick a batch (interactive first,
+then default, then bulk), run it on the executor, settle results as they
+come (flushed at most every `flush_seconds` and at the end). A maintenance
+thread heartbeats the leases and reaps expired ones; a listener thread turns
+NOTIFY into wake-ups.
+
+Stopping is graceful: a slot finishes the job it is running, releases the
+batch's unstarted jobs (attempts refunded) and ends its lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tenantq.dispatch.maintenance import LeaseBook, Maintenance
+from tenantq.dispatch.outcome import Backoff, failed, succeeded
+from tenantq.dispatch.wakeup import Listener, Wakeup
+from tenantq.errors import LeaseLost
+from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
+from tenantq.store import jobs
+from tenantq.store.db import Database, Pool
+from tenantq.store.model import PRIORITIES, Batch, ClaimedJob, Settlement
+
+log = logging.getLogger("tenantq.worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    concurrency: int = 4
+    batch_size: int = 10
+    lease_seconds: float = 30.0
+    poll_seconds: float = 1.0
+    flush_seconds: float = 1.0
+    once: bool = False
+    backoff: Backoff = field(default_factory=Backoff)
+    worker_id: str = field(default_factory=default_worker_id)
+
+
+@dataclass
+class WorkerStats:
+    batches: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0
+    refused: int = 0
+    reaped: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+SecretsLookup = Callable[[str], Mapping[str, str]]
+
+
+class Worker:
+    def __init__(
+        self,
+        db: Database,
+        executor: BatchExecutor,
+        config: WorkerConfig | None = None,
+        *,
+        secrets: SecretsLookup | None = None,
+    ) -> None:
+        self.db = db
+        self.executor = executor
+        self.config = config or WorkerConfig()
+        self.secrets = secrets or (lambda tenant: {})
+        self.stats = WorkerStats()
+        self.stopping = threading.Event()
+        self.wakeup = Wakeup()
+        self.leases = LeaseBook()
+        self.started = threading.Event()
+        self._pool: Pool | None = None
+
+    # -- lifecycle -----------------------------------------------------
+    def run(self) -> WorkerStats:
+        """Run until stop() (or, with once=True, until nothing is runnable)."""
+        cfg = self.config
+        self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id)
+        listener = Listener(self.db, self.wakeup, self.stopping)
+        maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
+                                  stopping=self.stopping,
+                                  on_reaped=lambda n: self.stats.add(reaped=n))
+        slots = [threading.Thread(target=self._slot, name=f"tenantq-slot-{i}", daemon=True)
+                 for i in range(cfg.concurrency)]
+        try:
+            # reap before the first claim, so a restarted fleet picks up the
+            # jobs of a dead worker without waiting one tick
+            maintenance.tick()
+            if not cfg.once:
+                listener.start()
+            maintenance.start()
+            for slot in slots:
+                slot.start()
+            self.started.set()
+            log.info("worker %s started: executor=%s concurrency=%d batch_size=%d",
+                     cfg.worker_id, self.executor.name, cfg.concurrency, cfg.batch_size)
+            for slot in slots:
+                while slot.is_alive():
+                    slot.join(timeout=0.5)
+        finally:
+            self.stopping.set()
+            self.wakeup.fire()
+            if maintenance.is_alive():
+                maintenance.join()
+            if listener.is_alive():
+                listener.join()
+            self._pool.close()
+        log.info("worker %s stopped: %s", cfg.worker_id, self.stats.snapshot())
+        return self.stats
+
+    def stop(self) -> None:
+        """Graceful stop: finish running jobs, release the rest, end leases."""
+        self.stopping.set()
+        self.wakeup.fire()
+
+    # -- one slot ------------------------------------------------------
+    def _slot(self) -> None:
+        failures = 0
+        while not self.stopping.is_set():
+            seen = self.wakeup.generation
+            try:
+                batch = self._claim()
+                failures = 0
+            except psycopg.Error as exc:
+                failures += 1
+                delay = min(0.2 * 2**failures, 5.0)
+                log.warning("claim failed (%s); retrying in %.1fs", str(exc).strip()[:200], delay)
+                self.stopping.wait(delay)
+                continue
+            if batch is None:
+                if self.config.once:
+                    return
+                self.wakeup.wait(seen, self.config.poll_seconds)
+                continue
+            self._run_batch(batch)
+
+    def _claim(self) -> Batch | None:
+        assert self._pool is not None
+        cfg = self.config
+        request = ClaimRequest(worker_id=cfg.worker_id, driver=self.executor.name,
+                               batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds)
+        with self._pool.connection() as conn:
+            for priority in PRIORITIES:
+                batch = claim_next(conn, request, priority)
+                if batch is not None:
+                    self.leases.add(batch.batch_id)
+                    return batch
+        return None
+
+    def _run_batch(self, batch: Batch) -> None:
+        run = BatchRun(self, batch)
+        self.stats.add(batches=1)
+        try:
+            self.executor.run(
+                batch,
+                env=self.secrets(batch.tenant_id),
+                report=run.report,
+                should_stop=lambda: self.stopping.is_set() or self.leases.is_lost(batch.batch_id),
+            )
+            outcome = "ok"
+        except Exception:
+            log.exception("executor failed on batch %d", batch.batch_id)
+            run.fail_running("executor error: the batch's runner failed")
+            outcome = "failed"
+        finally:
+            run.finish(outcome)
+            self.leases.remove(batch.batch_id)
+
+
+class BatchRun:
+    """Settlement bookkeeping for one batch: what started, what ended, what
+    is waiting to be written."""
+
+    def __init__(self, worker: Worker, batch: Batch) -> None:
+        self.worker = worker
+        self.batch = batch
+        self.jobs: dict[int, ClaimedJob] = {job.id: job for job in batch.jobs}
+        self.started: set[int] = set()
+        self.ended: set[int] = set()
+        self.pending: list[Settlement] = []
+        self.last_flush = time.monotonic()
+        self.lost = False
+
+    def report(self, event: JobStarted | JobEnded) -> None:
+        if isinstance(event, JobStarted):
+            self.started.add(event.job_id)
+            return
+        job = self.jobs[event.job_id]
+        self.ended.add(event.job_id)
+        backoff = self.worker.config.backoff
+        if event.ok:
+            self.pending.append(succeeded(job, event.result))
+        else:
+            self.pending.append(failed(job, event.error or "failed", backoff=backoff,
+                                       retryable=event.retryable))
+        if time.monotonic() - self.last_flush >= self.worker.config.flush_seconds:
+            self._write(end_outcome=None, release=())
+
+    def fail_running(self, error: str) -> None:
+        for job_id in sorted(self.started - self.ended):
+            self.report(JobEnded(job_id, ok=False, error=error))
+
+    def finish(self, outcome: str) -> None:
+        unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
+        # a job that started and never reported an end (the runner died on it)
+        self.fail_running("the runner stopped before the job ended")
+        if unstarted and outcome == "ok":
+            outcome = "released"
+        self._write(end_outcome=outcome, release=unstarted)
+
+    def _write(self, *, end_outcome: str | None, release: list[int] | tuple[()]) -> None:
+        if self.lost:
+            return
+        settlements, self.pending = self.pending, []
+        self.last_flush = time.monotonic()
+        pool = self.worker._pool
+        assert pool is not None
+        deadline = self.batch.lease_expires_at.timestamp() + self.worker.config.lease_seconds
+        attempt = 0
+        while True:
+            try:
+                with pool.connection() as conn:
+                    jobs.settle(conn, self.batch.batch_id, settlements, release=release,
+                                end_outcome=end_outcome)
+                break
+            except LeaseLost as exc:
+                self.lost = True
+                self.worker.stats.add(refused=len(settlements))
+                log.warning("%s", exc)
+                return
+            except psycopg.Error as exc:
+                # Postgres restarting: keep trying while the lease could still
+                # be live; after that the reaper owns these jobs.
+                attempt += 1
+                if time.time() > deadline:
+                    log.error("giving up settling batch %d: %s", self.batch.batch_id, exc)
+                    self.lost = True
+                    return
+                time.sleep(min(0.1 * 2**attempt, 2.0))
+        stats = self.worker.stats
+        stats.add(
+            done=sum(s.status == "done" for s in settlements),
+            retried=sum(s.status == "pending" for s in settlements),
+            dead=sum(s.status == "dead" for s in settlements),
+            released=len(release),
+        )

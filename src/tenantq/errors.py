@@ -1,0 +1,23 @@
+"""Exceptions with messages meant to be shown to a user as one line."""
+
+from __future__ import annotations
+
+
+class TenantqError(Exception):
+    """Base class for every error tenantq raises on purpose."""
+
+
+class InvalidInput(TenantqError, ValueError):
+    """Bad input (tenant id, kind, payload, option); nothing was written."""
+
+
+class JobNotFound(TenantqError, LookupError):
+    """No job with that id."""
+
+
+class LeaseLost(TenantqError):
+    """A settle or heartbeat carried a fencing token that is no longer live."""
+
+
+class DatabaseUnavailable(TenantqError):
+    """The configured database cannot be reached."""

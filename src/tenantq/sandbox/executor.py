@@ -1,0 +1,46 @@
+"""The contract between the dispatcher and whatever runs a batch.
+
+An executor runs the jobs of one batch in order and reports each job's start
+and end through a callback as they happen, so the dispatcher can settle
+finished jobs even if the batch dies later. It stops starting new jobs as
+soon as `should_stop()` is true; jobs it never started are the
+dispatcher's to release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tenantq.store.model import Batch
+
+
+@dataclass(frozen=True)
+class JobStarted:
+    job_id: int
+
+
+@dataclass(frozen=True)
+class JobEnded:
+    job_id: int
+    ok: bool
+    result: Any = None
+    error: str | None = None
+    retryable: bool = True
+
+
+Report = Callable[[JobStarted | JobEnded], None]
+
+
+class BatchExecutor(Protocol):
+    name: str
+
+    def run(
+        self,
+        batch: Batch,
+        *,
+        env: Mapping[str, str],
+        report: Report,
+        should_stop: Callable[[], bool],
+    ) -> None: ...

@@ -1,0 +1,55 @@
+"""Run handlers in the dispatcher's own process: fast, and only for code the
+operator trusts (a crash or OOM here takes the dispatcher with it, and a
+handler's timeout cannot be enforced on a thread)."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Mapping
+
+from tenantq.registry import JobContext, Registry
+from tenantq.sandbox.executor import JobEnded, JobStarted, Report
+from tenantq.store.model import Batch
+
+TRACEBACK_LINES = 12
+
+
+class InlineExecutor:
+    name = "inline"
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def run(
+        self,
+        batch: Batch,
+        *,
+        env: Mapping[str, str],
+        report: Report,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        for job in batch.jobs:
+            if should_stop():
+                return
+            report(JobStarted(job.id))
+            handler = self.registry.get(job.kind)
+            if handler is None:
+                known = ", ".join(self.registry.kinds()) or "none"
+                report(JobEnded(job.id, ok=False,
+                                error=f"unknown kind {job.kind!r}: no handler registered (known: {known})"))
+                continue
+            ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
+                             kind=job.kind, max_attempts=job.max_attempts, env=dict(env))
+            try:
+                result = handler.func(job.payload, ctx)
+            except Exception as exc:
+                report(JobEnded(job.id, ok=False, error=describe_exception(exc)))
+            else:
+                report(JobEnded(job.id, ok=True, result=result))
+
+
+def describe_exception(exc: BaseException) -> str:
+    """`Type: message` plus the tail of the traceback."""
+    head = f"{type(exc).__name__}: {exc}"
+    tail = traceback.format_exception(exc)[-TRACEBACK_LINES:]
+    return head + "\n" + "".join(tail).rstrip()

@@ -1,0 +1,52 @@
+"""Typed settings, read from TENANTQ_* environment variables."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def default_data_dir() -> Path:
+    """`/var/lib/tenantq` for root (a system service), else the user's data dir.
+
+    Root gets a system path because the embedded Postgres runs as an
+    unprivileged user and must be able to traverse every parent directory:
+    under /root that would mean opening /root to everyone.
+    """
+    if os.geteuid() == 0:
+        return Path("/var/lib/tenantq")
+    return Path(platformdirs.user_data_dir("tenantq"))
+
+
+class Settings(BaseSettings):
+    """Process-wide configuration. Every field maps to `TENANTQ_<FIELD>`."""
+
+    model_config = SettingsConfigDict(env_prefix="TENANTQ_", extra="ignore")
+
+    database_url: str | None = Field(
+        default=None,
+        description="Postgres DSN; unset means the embedded Postgres under data_dir.",
+    )
+    schema_name: str = Field(
+        default="tenantq",
+        validation_alias="TENANTQ_SCHEMA",
+        description="Postgres schema that holds tenantq's tables.",
+    )
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        description="Where the embedded Postgres and sandbox templates live.",
+    )
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema_is_identifier(cls, value: str) -> str:
+        if not _SCHEMA_NAME.match(value):
+            raise ValueError(f"schema name must match {_SCHEMA_NAME.pattern}, got {value!r}")
+        return value

@@ -1,0 +1,1 @@
+"""The store: Postgres tables and the SQL that reads and writes them."""

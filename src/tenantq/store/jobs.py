@@ -1,0 +1,245 @@
+"""Job and lease operations on one connection. Callers own transactions
+where several statements must commit together (see the docstrings)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from tenantq.errors import JobNotFound, LeaseLost
+from tenantq.store.db import Conn
+from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
+from tenantq.store.queries import sql
+
+
+class _RawJson:
+    """Already-serialised JSON (validation produced the text once)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _jsonb_text(text: str) -> Jsonb:
+    # Jsonb with an identity dumps: the payload was serialised during
+    # validation and is not serialised a second time.
+    return Jsonb(_RawJson(text), dumps=lambda obj: obj.text)
+
+
+def insert_jobs(
+    conn: Conn, jobs: Sequence[tuple[NewJob, str]], *, channel: str, now: datetime | None = None
+) -> list[int]:
+    """Insert validated jobs in one statement; returns ids in input order.
+
+    A job whose idempotency key already exists for its tenant is not
+    inserted; its existing id is returned in its place.
+    """
+    if not jobs:
+        return []
+    params = {
+        "tenant_ids": [j.tenant_id for j, _ in jobs],
+        "kinds": [j.kind for j, _ in jobs],
+        "payloads": [_jsonb_text(text) for _, text in jobs],
+        "priorities": [j.priority for j, _ in jobs],
+        "max_attempts": [j.max_attempts for j, _ in jobs],
+        "delays": [j.delay for j, _ in jobs],
+        "keys": [j.key for j, _ in jobs],
+        "now": now,
+    }
+    with conn.transaction():
+        rows = conn.execute(sql("jobs", "insert"), params).fetchall()
+        for tenant in sorted({str(r["tenant_id"]) for r in rows}):
+            conn.execute(sql("jobs", "notify"), {"channel": channel, "tenant_id": tenant})
+    if len(rows) == len(jobs):
+        return [int(str(r["id"])) for r in rows]
+    return _ids_with_existing(conn, jobs, rows)
+
+
+def _ids_with_existing(
+    conn: Conn, jobs: Sequence[tuple[NewJob, str]], inserted: list[dict[str, object]]
+) -> list[int]:
+    by_key: dict[tuple[str, str], int] = {}
+    keyed = [(j.tenant_id, j.key) for j, _ in jobs if j.key is not None]
+    if keyed:
+        existing = conn.execute(
+            sql("jobs", "ids_by_key"),
+            {"tenant_ids": [t for t, _ in keyed], "keys": [k for _, k in keyed]},
+        ).fetchall()
+        by_key = {(str(r["tenant_id"]), str(r["idempotency_key"])): int(str(r["id"])) for r in existing}
+    fresh = iter(int(str(r["id"])) for r in inserted if r["idempotency_key"] is None)
+    ids: list[int] = []
+    for job, _ in jobs:
+        ids.append(by_key[(job.tenant_id, job.key)] if job.key is not None else next(fresh))
+    return ids
+
+
+def claim(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    priority: Priority,
+    limit: int,
+    worker_id: str,
+    driver: str,
+    lease_seconds: float,
+    now: datetime | None = None,
+) -> Batch | None:
+    """Lease up to `limit` runnable jobs of one tenant and class."""
+    rows = conn.execute(
+        sql("jobs", "claim"),
+        {
+            "tenant_id": tenant_id,
+            "priority": priority,
+            "limit": limit,
+            "worker_id": worker_id,
+            "driver": driver,
+            "lease_seconds": lease_seconds,
+            "now": now,
+        },
+    ).fetchall()
+    if not rows:
+        return None
+    rows.sort(key=lambda r: int(str(r["id"])))
+    first = rows[0]
+    return Batch(
+        batch_id=int(str(first["batch_id"])),
+        tenant_id=tenant_id,
+        priority=priority,
+        lease_expires_at=first["lease_expires_at"],  # type: ignore[arg-type]
+        jobs=tuple(
+            ClaimedJob(
+                id=int(str(r["id"])),
+                tenant_id=tenant_id,
+                kind=str(r["kind"]),
+                payload=r["payload"],
+                attempt=int(str(r["attempts"])),
+                max_attempts=int(str(r["max_attempts"])),
+            )
+            for r in rows
+        ),
+    )
+
+
+def settle(
+    conn: Conn,
+    batch_id: int,
+    settlements: Sequence[Settlement],
+    *,
+    release: Iterable[int] = (),
+    end_outcome: str | None = None,
+    now: datetime | None = None,
+) -> list[int]:
+    """Apply settlements under the batch's fencing token, in one transaction.
+
+    `release` lists jobs that never started: they go back to pending with
+    their attempt refunded. With `end_outcome`, the lease ends too. Raises
+    LeaseLost (and changes nothing) when the lease is no longer live.
+    """
+    release_ids = list(release)
+    with conn.transaction():
+        if conn.execute(sql("batches", "lock_live"), {"batch_id": batch_id, "now": now}).fetchone() is None:
+            raise LeaseLost(f"lease {batch_id} is no longer live; its jobs were or will be re-leased")
+        woken: list[dict[str, Any]] = []
+        settled: list[int] = []
+        if settlements:
+            rows = conn.execute(
+                sql("jobs", "settle"),
+                {
+                    "batch_id": batch_id,
+                    "ids": [s.job_id for s in settlements],
+                    "statuses": [s.status for s in settlements],
+                    "results": [None if s.status != "done" else Jsonb(s.result) for s in settlements],
+                    "errors": [s.error for s in settlements],
+                    "delays": [s.delay for s in settlements],
+                    "now": now,
+                },
+            ).fetchall()
+            settled = [int(str(r["id"])) for r in rows]
+            woken += [r for r in rows if r["status"] == "pending"]
+        if release_ids:
+            woken += conn.execute(
+                sql("jobs", "release_unstarted"), {"batch_id": batch_id, "ids": release_ids}
+            ).fetchall()
+        wake_queues(conn, woken)
+        if end_outcome is not None:
+            conn.execute(sql("batches", "end"), {"batch_id": batch_id, "outcome": end_outcome, "now": now})
+    return settled
+
+
+def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:
+    """Mark the queues of jobs that went back to pending as having work."""
+    if not rows:
+        return
+    conn.execute(
+        sql("queues", "wake"),
+        {
+            "tenant_ids": [r["tenant_id"] for r in rows],
+            "priorities": [r["priority"] for r in rows],
+            "run_afters": [r["run_after"] for r in rows],
+        },
+    )
+
+
+def heartbeat(
+    conn: Conn, batch_ids: Sequence[int], *, lease_seconds: float, now: datetime | None = None
+) -> set[int]:
+    """Extend live leases; returns the ids that are still live."""
+    if not batch_ids:
+        return set()
+    rows = conn.execute(
+        sql("batches", "heartbeat"),
+        {"batch_ids": list(batch_ids), "lease_seconds": lease_seconds, "now": now},
+    ).fetchall()
+    return {int(str(r["batch_id"])) for r in rows}
+
+
+def expire_leases(conn: Conn, *, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Reap expired leases; returns the jobs put back (or dead-lettered)."""
+    with conn.transaction():
+        rows = conn.execute(sql("batches", "expire"), {"now": now}).fetchall()
+        wake_queues(conn, [r for r in rows if r["status"] == "pending"])
+    return rows
+
+
+def get_job(conn: Conn, job_id: int) -> JobInfo:
+    row = conn.execute(sql("jobs", "get"), {"id": job_id}).fetchone()
+    if row is None:
+        raise JobNotFound(f"no job with id {job_id}")
+    fields = JobInfo.__dataclass_fields__
+    return JobInfo(**{k: v for k, v in row.items() if k in fields})  # type: ignore[arg-type]
+
+
+def cancel(conn: Conn, job_id: int, *, now: datetime | None = None) -> bool:
+    """Cancel a pending job; False if it exists but is not pending."""
+    if conn.execute(sql("jobs", "cancel"), {"id": job_id, "now": now}).fetchone():
+        return True
+    get_job(conn, job_id)  # raises JobNotFound for an unknown id
+    return False
+
+
+def dead_jobs(conn: Conn, *, tenant_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    return conn.execute(sql("jobs", "dead_list"), {"tenant_id": tenant_id, "limit": limit}).fetchall()
+
+
+def retry_dead(
+    conn: Conn,
+    *,
+    ids: Sequence[int] | None = None,
+    tenant_id: str | None = None,
+    channel: str,
+    now: datetime | None = None,
+) -> list[int]:
+    """Replay dead jobs (some ids, a tenant's, or all); returns the replayed ids."""
+    with conn.transaction():
+        rows = conn.execute(
+            sql("jobs", "retry_dead"),
+            {"ids": list(ids) if ids is not None else None, "tenant_id": tenant_id, "now": now},
+        ).fetchall()
+        wake_queues(conn, rows)
+        for tenant in sorted({str(r["tenant_id"]) for r in rows}):
+            conn.execute(sql("jobs", "notify"), {"channel": channel, "tenant_id": tenant})
+    return sorted(int(str(r["id"])) for r in rows)

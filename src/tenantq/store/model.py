@@ -1,0 +1,85 @@
+"""Plain records that cross the store boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+Priority = Literal["interactive", "default", "bulk"]
+PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "bulk")
+Status = Literal["pending", "running", "done", "dead", "cancelled"]
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A validated job, ready to insert."""
+
+    tenant_id: str
+    kind: str
+    payload: Any
+    priority: Priority = "default"
+    max_attempts: int = 5
+    delay: float = 0.0
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    id: int
+    tenant_id: str
+    kind: str
+    payload: Any
+    attempt: int
+    max_attempts: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A lease on some jobs of one tenant. batch_id is the fencing token."""
+
+    batch_id: int
+    tenant_id: str
+    priority: Priority
+    lease_expires_at: datetime
+    jobs: tuple[ClaimedJob, ...]
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What happens to one job of a batch: the store applies it verbatim."""
+
+    job_id: int
+    status: Literal["done", "pending", "dead"]
+    result: Any = None
+    error: str | None = None
+    delay: float = 0.0
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    id: int
+    tenant_id: str
+    kind: str
+    priority: Priority
+    status: Status
+    attempts: int
+    max_attempts: int
+    payload: Any
+    result: Any
+    last_error: str | None
+    idempotency_key: str | None
+    run_after: datetime
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    batch_id: int | None
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    why_waiting: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, value in self.__dict__.items():
+            out[name] = value.isoformat() if isinstance(value, datetime) else value
+        return out

@@ -1,0 +1,60 @@
+"""Named SQL blocks loaded from the `.sql` files beside this module.
+
+Each file holds the statements of one noun (jobs, batches, queues, ...); a
+block starts with `-- name: <block>` and runs to the next marker. Comments in
+the files say why each statement looks the way it does.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from importlib import resources
+from typing import LiteralString, cast
+
+_MARKER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+
+
+def parse_blocks(text: str) -> dict[str, str]:
+    """Split a file into {name: sql}; text before the first marker is ignored."""
+    parts = _MARKER.split(text)
+    blocks: dict[str, str] = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        if name in blocks:
+            raise ValueError(f"duplicate SQL block {name!r}")
+        blocks[name] = body.strip().rstrip(";").strip()
+    return blocks
+
+
+@cache
+def _file_blocks(noun: str) -> dict[str, str]:
+    text = resources.files("tenantq.store").joinpath("sql").joinpath(f"{noun}.sql").read_text()
+    return parse_blocks(text)
+
+
+def sql(noun: str, name: str) -> LiteralString:
+    """The statement `name` from `sql/<noun>.sql`."""
+    blocks = _file_blocks(noun)
+    try:
+        return cast(LiteralString, blocks[name])
+    except KeyError:
+        raise KeyError(f"no SQL block {name!r} in {noun}.sql") from None
+
+
+def schema_sql() -> LiteralString:
+    return cast(LiteralString, resources.files("tenantq.store").joinpath("sql").joinpath("schema.sql").read_text())
+
+
+def migration_files() -> list[tuple[int, str, LiteralString]]:
+    """(version, name, sql) for every numbered migration, in order."""
+    folder = resources.files("tenantq.store").joinpath("sql").joinpath("migrations")
+    found: list[tuple[int, str, LiteralString]] = []
+    for entry in folder.iterdir():
+        match = re.match(r"^(\d{4})_([a-z0-9_]+)\.sql$", entry.name)
+        if match:
+            found.append((int(match[1]), match[2], cast(LiteralString, entry.read_text())))
+    found.sort()
+    versions = [v for v, _, _ in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations must be numbered 0001.. without gaps, found {versions}")
+    return found

@@ -1,0 +1,71 @@
+-- Statements about batches (leases). A live lease is a row with
+-- ended_at IS NULL and lease_expires_at in the future; occupancy of a tenant
+-- is counted from live leases, never from a counter that could leak.
+
+-- name: lock_live
+-- Taken at the start of every settle. FOR UPDATE makes the reaper's
+-- expire statement wait for the settle (and then see ended_at or the jobs'
+-- new states) instead of interleaving with it.
+SELECT batch_id FROM batches
+WHERE batch_id = %(batch_id)s AND ended_at IS NULL
+  AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
+FOR UPDATE;
+
+-- name: heartbeat
+-- Extend every live lease of one worker in one statement; a lease that has
+-- already expired is NOT revived (its jobs may be re-leased by now), so it is
+-- missing from the result and the worker treats it as lost.
+UPDATE batches
+SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_seconds)s),
+    heartbeat_at = coalesce(%(now)s::timestamptz, now())
+WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND ended_at IS NULL
+  AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
+RETURNING batch_id;
+
+-- name: end
+UPDATE batches
+SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s
+WHERE batch_id = %(batch_id)s AND ended_at IS NULL;
+
+-- name: expire
+-- The reaper: end every lease past its expiry and put its unsettled jobs
+-- back. The attempt the claim counted stays counted (a crash counts), so a
+-- job that keeps killing its dispatcher still reaches `dead`.
+-- If a settle holds the batch row, this waits for it and then rechecks the
+-- row (READ COMMITTED re-evaluation), so a just-settled job is left alone.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), expired AS (
+    UPDATE batches b
+    SET ended_at = clock.now, outcome = 'lease_expired'
+    FROM clock
+    WHERE b.ended_at IS NULL AND b.lease_expires_at <= clock.now
+    RETURNING b.batch_id, b.worker_id
+)
+UPDATE jobs j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+    batch_id = NULL,
+    run_after = clock.now,
+    last_error = 'lease expired: worker ' || e.worker_id || ' stopped heartbeating mid-batch',
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock.now END
+FROM expired e, clock
+WHERE j.batch_id = e.batch_id AND j.status = 'running'
+RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after;
+
+-- name: live_for_tenant
+SELECT count(*) AS n FROM batches
+WHERE tenant_id = %(tenant_id)s AND ended_at IS NULL
+  AND lease_expires_at > coalesce(%(now)s::timestamptz, now());
+
+-- name: live
+SELECT batch_id, tenant_id, priority, worker_id, sandbox_driver, job_count,
+       created_at, heartbeat_at, lease_expires_at,
+       extract(epoch FROM now() - created_at)::double precision AS age_seconds
+FROM batches
+WHERE ended_at IS NULL
+ORDER BY created_at;
+
+-- name: prune
+-- Ended batches are kept for a while as a record, then deleted.
+DELETE FROM batches
+WHERE ended_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(keep_seconds)s);

@@ -1,0 +1,76 @@
+-- Statements about queues: one row per (tenant, priority class), the
+-- scheduler's list of queues that may have runnable work.
+--
+-- The has_work protocol. An enqueue (or a retry, release or replay) upserts
+-- the queue row in the same transaction that makes a job pending, which
+-- locks the row until commit. The scheduler, before clearing has_work,
+-- first locks the row (lock_for_clear) and then, in a NEW statement (a new
+-- READ COMMITTED snapshot), checks for pending jobs (clear_if_empty). Any
+-- transaction that made a job pending and touched the row has committed by
+-- the time the lock is granted, so its jobs are visible to the check; any
+-- later one waits for the scheduler and sets has_work again.
+
+-- name: wake
+-- Make queues runnable again after jobs went back to pending.
+INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
+SELECT tenant_id, priority, true, min(run_after)
+FROM unnest(%(tenant_ids)s::text[], %(priorities)s::text[], %(run_afters)s::timestamptz[])
+    AS w(tenant_id, priority, run_after)
+GROUP BY tenant_id, priority
+ORDER BY tenant_id, priority
+ON CONFLICT (tenant_id, priority) DO UPDATE
+    SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
+    WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at;
+
+-- name: candidates
+-- Queues of one class that may have runnable work, in round-robin order
+-- starting after the cursor and wrapping around. The partial index
+-- queues_with_work holds only queues with work, so idle tenants cost nothing.
+(SELECT tenant_id, deficit FROM queues
+ WHERE priority = %(priority)s AND has_work AND tenant_id > %(after)s
+   AND next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY tenant_id LIMIT %(limit)s)
+UNION ALL
+(SELECT tenant_id, deficit FROM queues
+ WHERE priority = %(priority)s AND has_work AND tenant_id <= %(after)s
+   AND next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY tenant_id LIMIT %(limit)s);
+
+-- name: lock_for_clear
+SELECT has_work FROM queues
+WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s
+FOR UPDATE;
+
+-- name: clear_if_empty
+-- Runs in a new statement after lock_for_clear (see the protocol above).
+-- With pending jobs left (all in the future), only next_run_at moves, so
+-- the queue is skipped until its next job is due. With none, the queue
+-- leaves the active list and its DRR credit resets: idle tenants keep none.
+UPDATE queues q
+SET has_work = p.next_run_at IS NOT NULL,
+    next_run_at = coalesce(p.next_run_at, q.next_run_at),
+    deficit = CASE WHEN p.next_run_at IS NULL THEN 0 ELSE q.deficit END
+FROM (
+    SELECT min(run_after) AS next_run_at FROM jobs
+    WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s AND status = 'pending'
+) p
+WHERE q.tenant_id = %(tenant_id)s AND q.priority = %(priority)s
+RETURNING q.has_work;
+
+-- name: repair
+-- Self-healing backstop run by the reaper now and then: any queue with
+-- pending jobs is marked as having work. It only ever sets has_work, so it
+-- cannot race the protocol above into losing a queue.
+UPDATE queues q
+SET has_work = true, next_run_at = p.next_run_at
+FROM (
+    SELECT i.tenant_id, i.priority,
+           (SELECT min(j.run_after) FROM jobs j
+            WHERE j.tenant_id = i.tenant_id AND j.priority = i.priority AND j.status = 'pending')
+               AS next_run_at
+    FROM queues i
+    WHERE NOT i.has_work
+) p
+WHERE q.tenant_id = p.tenant_id AND q.priority = p.priority
+  AND p.next_run_at IS NOT NULL AND NOT q.has_work
+RETURNING q.tenant_id, q.priority;
