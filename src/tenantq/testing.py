@@ -38,7 +38,7 @@ def drain(
 
 
 def wait_until(
-    predicate: Callable[[], T | None | bool],
+    predicate: Callable[[], T | bool | None],
     *,
     timeout: float = 10.0,
     interval: float = 0.02,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib import resources
-from typing import LiteralString, cast
+from typing import LiteralString
 
 _MARKER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
@@ -33,16 +33,20 @@ def _file_blocks(noun: str) -> dict[str, str]:
 
 
 def sql(noun: str, name: str) -> LiteralString:
-    """The statement `name` from `sql/<noun>.sql`."""
+    """The statement `name` from `sql/<noun>.sql`.
+
+    Typed LiteralString for psycopg: the text comes from files shipped in the
+    package, never from input (mypy treats LiteralString as str).
+    """
     blocks = _file_blocks(noun)
     try:
-        return cast(LiteralString, blocks[name])
+        return blocks[name]
     except KeyError:
         raise KeyError(f"no SQL block {name!r} in {noun}.sql") from None
 
 
 def schema_sql() -> LiteralString:
-    return cast(LiteralString, resources.files("tenantq.store").joinpath("sql").joinpath("schema.sql").read_text())
+    return resources.files("tenantq.store").joinpath("sql").joinpath("schema.sql").read_text()
 
 
 def migration_files() -> list[tuple[int, str, LiteralString]]:
@@ -52,7 +56,7 @@ def migration_files() -> list[tuple[int, str, LiteralString]]:
     for entry in folder.iterdir():
         match = re.match(r"^(\d{4})_([a-z0-9_]+)\.sql$", entry.name)
         if match:
-            found.append((int(match[1]), match[2], cast(LiteralString, entry.read_text())))
+            found.append((int(match[1]), match[2], entry.read_text()))
     found.sort()
     versions = [v for v, _, _ in found]
     if versions != list(range(1, len(found) + 1)):

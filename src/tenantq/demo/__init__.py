@@ -1,0 +1,1 @@
+"""The README's demo: several tenants, one of them a whale, drained fairly."""

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tenantq.dispatch.maintenance import LeaseBook
+from tenantq.dispatch.wakeup import Wakeup
+from tenantq.store.queries import migration_files, parse_blocks, sql
+
+
+def test_parse_blocks() -> None:
+    text = "-- header\n-- name: one\nSELECT 1;\n\n-- name: two\n-- why\nSELECT 2\n"
+    assert parse_blocks(text) == {"one": "SELECT 1", "two": "-- why\nSELECT 2"}
+    with pytest.raises(ValueError, match="duplicate"):
+        parse_blocks("-- name: a\nSELECT 1;\n-- name: a\nSELECT 2;")
+
+
+def test_every_sql_file_loads() -> None:
+    assert "FOR UPDATE" in sql("jobs", "claim")
+    with pytest.raises(KeyError, match="no SQL block"):
+        sql("jobs", "nope")
+    versions = [v for v, _, _ in migration_files()]
+    assert versions == list(range(1, len(versions) + 1))
+
+
+def test_wakeup_is_not_lost_between_check_and_wait() -> None:
+    w = Wakeup()
+    seen = w.generation
+    w.fire()  # fires before the waiter waits: the wait must return at once
+    done = threading.Event()
+
+    def waiter() -> None:
+        w.wait(seen, timeout=30)
+        done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert done.wait(5)
+    t.join()
+
+
+def test_lease_book_lost_leases() -> None:
+    book = LeaseBook()
+    book.add(1)
+    book.add(2)
+    book.mark_lost({2, 3})
+    assert book.live() == [1]
+    assert book.is_lost(2) and not book.is_lost(3)
+    book.remove(2)
+    assert not book.is_lost(2)
