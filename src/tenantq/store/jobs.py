@@ -49,11 +49,10 @@ def insert_jobs(
         "delays": [j.delay for j, _ in jobs],
         "keys": [j.key for j, _ in jobs],
         "now": now,
+        "channel": channel,
     }
-    with conn.transaction():
-        rows = conn.execute(sql("jobs", "insert"), params).fetchall()
-        for tenant in sorted({str(r["tenant_id"]) for r in rows}):
-            conn.execute(sql("jobs", "notify"), {"channel": channel, "tenant_id": tenant})
+    # one statement, so autocommit makes it one round trip and one commit
+    rows = conn.execute(sql("jobs", "insert"), params).fetchall()
     if len(rows) == len(jobs):
         return [int(str(r["id"])) for r in rows]
     return _ids_with_existing(conn, jobs, rows)
@@ -240,6 +239,6 @@ def retry_dead(
             {"ids": list(ids) if ids is not None else None, "tenant_id": tenant_id, "now": now},
         ).fetchall()
         wake_queues(conn, rows)
-        for tenant in sorted({str(r["tenant_id"]) for r in rows}):
-            conn.execute(sql("jobs", "notify"), {"channel": channel, "tenant_id": tenant})
+        if rows:
+            conn.execute(sql("jobs", "notify"), {"channel": channel})
     return sorted(int(str(r["id"])) for r in rows)

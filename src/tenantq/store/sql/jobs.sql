@@ -43,8 +43,14 @@ WITH input AS (
     ORDER BY i.ord
     ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, tenant_id, idempotency_key
+), wake_listeners AS (
+    -- delivered at commit, so a woken worker already sees the jobs; one
+    -- notification per statement (identical ones in a transaction collapse)
+    SELECT pg_notify(%(channel)s, '') FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
 )
-SELECT id, tenant_id, idempotency_key FROM inserted ORDER BY id;
+SELECT id, tenant_id, idempotency_key
+FROM inserted, (SELECT count(*) FROM wake_listeners) AS fired
+ORDER BY id;
 
 -- name: ids_by_key
 SELECT id, tenant_id, idempotency_key
@@ -54,7 +60,7 @@ WHERE (tenant_id, idempotency_key) IN (
 );
 
 -- name: notify
-SELECT pg_notify(%(channel)s, %(tenant_id)s);
+SELECT pg_notify(%(channel)s, '');
 
 -- name: claim
 -- Lease up to %(limit)s runnable jobs of ONE tenant and class, oldest first.

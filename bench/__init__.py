@@ -1,0 +1,1 @@
+"""tenantq benchmarks: `python -m bench [name ...]` (or `./run bench`)."""

@@ -1,0 +1,29 @@
+"""Run benchmarks by name: `python -m bench [--small] [name ...]`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from bench import throughput
+
+BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
+    "throughput": throughput.run,
+}
+SMALL: dict[str, dict[str, Any]] = {
+    "throughput": {"jobs": 200, "single": 20, "repeats": 1},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("names", nargs="*", choices=[*BENCHMARKS, []], help="default: all")
+    parser.add_argument("--small", action="store_true", help="tiny sizes (smoke test)")
+    args = parser.parse_args()
+    for name in args.names or list(BENCHMARKS):
+        BENCHMARKS[name](**(SMALL[name] if args.small else {}))
+
+
+if __name__ == "__main__":
+    main()

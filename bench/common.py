@@ -1,0 +1,65 @@
+"""Shared plumbing for benchmarks: a scratch schema, machine info, results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+
+import tenantq
+from tenantq.store.db import Database
+from tenantq.store.migrate import migrate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@contextmanager
+def scratch_schema(prefix: str = "bench") -> Iterator[Database]:
+    """A freshly migrated schema, dropped afterwards."""
+    base = Database.resolve()
+    db = Database(dsn=base.dsn, schema=f"{prefix}_{uuid.uuid4().hex[:8]}")
+    migrate(db)
+    try:
+        yield db
+    finally:
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
+
+
+def machine_info(db: Database) -> dict[str, Any]:
+    with psycopg.connect(db.dsn) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    try:
+        cpu = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        cpu = str(os.cpu_count())
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": cpu,
+        "postgres": row[0] if row else "?",
+        "tenantq": tenantq.__version__,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def summarise(samples: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
