@@ -64,6 +64,7 @@ class Maintenance(threading.Thread):
         lease_seconds: float,
         stopping: threading.Event,
         on_reaped: Callable[[int], None] | None = None,
+        on_interactive: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(name="tenantq-maintenance", daemon=True)
         self.pool = pool
@@ -71,6 +72,7 @@ class Maintenance(threading.Thread):
         self.lease_seconds = lease_seconds
         self.stopping = stopping
         self.on_reaped = on_reaped
+        self.on_interactive = on_interactive
         # heartbeat three times per lease so one missed beat loses nothing
         self.interval = max(0.05, lease_seconds / 3)
         self._last_repair = 0.0
@@ -92,6 +94,11 @@ class Maintenance(threading.Thread):
                 if lost:
                     log.warning("lost leases %s: their results will be refused", sorted(lost))
                     self.leases.mark_lost(lost)
+            if self.on_interactive is not None:
+                # polling fallback for the NOTIFY that recalls lent slots
+                row = conn.execute(sql("queues", "interactive_runnable")).fetchone()
+                if row is not None and row["waiting"]:
+                    self.on_interactive()
             reaped = jobs.expire_leases(conn)
             if reaped:
                 log.warning("reaped %d jobs from expired leases", len(reaped))

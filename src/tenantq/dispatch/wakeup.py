@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import psycopg
 from psycopg import sql as pgsql
@@ -44,8 +45,16 @@ class Wakeup:
 class Listener(threading.Thread):
     """A dedicated connection that LISTENs and fires the Wakeup."""
 
-    def __init__(self, db: Database, wakeup: Wakeup, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        db: Database,
+        wakeup: Wakeup,
+        stopping: threading.Event,
+        *,
+        on_interactive: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(name="tenantq-listener", daemon=True)
+        self.on_interactive = on_interactive
         self.db = db
         self.wakeup = wakeup
         self.stopping = stopping
@@ -62,7 +71,9 @@ class Listener(threading.Thread):
                     # A reconnect may have missed notifications: wake everyone once.
                     self.wakeup.fire()
                     while not self.stopping.is_set():
-                        for _ in conn.notifies(timeout=0.5, stop_after=1):
+                        for note in conn.notifies(timeout=0.5, stop_after=1):
+                            if note.payload == "interactive" and self.on_interactive is not None:
+                                self.on_interactive()
                             self.wakeup.fire()
             except psycopg.Error as exc:
                 self.listening.clear()

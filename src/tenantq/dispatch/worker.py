@@ -28,10 +28,12 @@ from tenantq.dispatch.outcome import Backoff, failed, succeeded
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.errors import LeaseLost
 from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.fairness.drr import Mode
+from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE, class_order, is_lent, reserved_slots
 from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Database, Pool
-from tenantq.store.model import PRIORITIES, Batch, ClaimedJob, Settlement
+from tenantq.store.model import Batch, ClaimedJob, Settlement
 
 log = logging.getLogger("tenantq.worker")
 
@@ -49,6 +51,9 @@ class WorkerConfig:
     flush_seconds: float = 1.0
     once: bool = False
     backoff: Backoff = field(default_factory=Backoff)
+    fair_by: Mode = Mode.JOBS
+    quantum_seconds: float = 1.0
+    interactive_share: float = DEFAULT_INTERACTIVE_SHARE
     worker_id: str = field(default_factory=default_worker_id)
 
 
@@ -61,6 +66,7 @@ class WorkerStats:
     released: int = 0
     refused: int = 0
     reaped: int = 0
+    recalled: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, **counts: int) -> None:
@@ -94,6 +100,9 @@ class Worker:
         self.wakeup = Wakeup()
         self.leases = LeaseBook()
         self.started = threading.Event()
+        # set when interactive work is runnable: recalls lent reserved slots
+        self.interactive_waiting = threading.Event()
+        self.reserved = reserved_slots(self.config.concurrency, self.config.interactive_share)
         self._pool: Pool | None = None
 
     # -- lifecycle -----------------------------------------------------
@@ -101,11 +110,13 @@ class Worker:
         """Run until stop() (or, with once=True, until nothing is runnable)."""
         cfg = self.config
         self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id)
-        listener = Listener(self.db, self.wakeup, self.stopping)
+        listener = Listener(self.db, self.wakeup, self.stopping,
+                            on_interactive=self.interactive_waiting.set)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
                                   stopping=self.stopping,
-                                  on_reaped=lambda n: self.stats.add(reaped=n))
-        slots = [threading.Thread(target=self._slot, name=f"tenantq-slot-{i}", daemon=True)
+                                  on_reaped=lambda n: self.stats.add(reaped=n),
+                                  on_interactive=self.interactive_waiting.set)
+        slots = [threading.Thread(target=self._slot, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
                  for i in range(cfg.concurrency)]
         try:
             # reap before the first claim, so a restarted fleet picks up the
@@ -139,7 +150,7 @@ class Worker:
         self.wakeup.fire()
 
     # -- one slot ------------------------------------------------------
-    def _slot(self) -> None:
+    def _slot(self, slot: int) -> None:
         failures = 0
         while not self.stopping.is_set():
             seen = self.wakeup.generation
@@ -157,22 +168,33 @@ class Worker:
                     return
                 self.wakeup.wait(seen, self.config.poll_seconds)
                 continue
-            self._run_batch(batch)
+            self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved))
 
     def _claim(self) -> Batch | None:
         assert self._pool is not None
         cfg = self.config
         request = ClaimRequest(worker_id=cfg.worker_id, driver=self.executor.name,
-                               batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds)
+                               batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds,
+                               fair_by=cfg.fair_by, quantum_seconds=cfg.quantum_seconds)
         with self._pool.connection() as conn:
-            for priority in PRIORITIES:
+            for priority in class_order():
                 batch = claim_next(conn, request, priority)
                 if batch is not None:
                     self.leases.add(batch.batch_id)
                     return batch
+                if priority == "interactive":
+                    self.interactive_waiting.clear()
         return None
 
-    def _run_batch(self, batch: Batch) -> None:
+    def _should_stop(self, batch: Batch, lent: bool) -> bool:
+        if self.stopping.is_set() or self.leases.is_lost(batch.batch_id):
+            return True
+        if lent and self.interactive_waiting.is_set():
+            self.stats.add(recalled=1)
+            return True
+        return False
+
+    def _run_batch(self, batch: Batch, *, lent: bool = False) -> None:
         run = BatchRun(self, batch)
         self.stats.add(batches=1)
         try:
@@ -180,7 +202,7 @@ class Worker:
                 batch,
                 env=self.secrets(batch.tenant_id),
                 report=run.report,
-                should_stop=lambda: self.stopping.is_set() or self.leases.is_lost(batch.batch_id),
+                should_stop=lambda: self._should_stop(batch, lent),
             )
             outcome = "ok"
         except Exception:
@@ -205,13 +227,18 @@ class BatchRun:
         self.pending: list[Settlement] = []
         self.last_flush = time.monotonic()
         self.lost = False
+        self.run_seconds = 0.0
+        self._job_started_at = 0.0
 
     def report(self, event: JobStarted | JobEnded) -> None:
         if isinstance(event, JobStarted):
             self.started.add(event.job_id)
+            self._job_started_at = time.monotonic()
             return
         job = self.jobs[event.job_id]
         self.ended.add(event.job_id)
+        self.run_seconds += event.seconds if event.seconds is not None else (
+            time.monotonic() - self._job_started_at)
         backoff = self.worker.config.backoff
         if event.ok:
             self.pending.append(succeeded(job, event.result))
@@ -246,7 +273,8 @@ class BatchRun:
             try:
                 with pool.connection() as conn:
                     jobs.settle(conn, self.batch.batch_id, settlements, release=release,
-                                end_outcome=end_outcome)
+                                end_outcome=end_outcome, run_seconds=self.run_seconds,
+                                charge_runtime=self.worker.config.fair_by is Mode.RUNTIME)
                 break
             except LeaseLost as exc:
                 self.lost = True

@@ -1,9 +1,12 @@
-"""Pick a tenant and lease a batch of its jobs, in one transaction.
+"""Pick a queue by deficit round robin and lease a batch of its jobs, in
+one transaction.
 
-The pick walks the queues with work of one priority class in round-robin
-order from a cursor stored in Postgres. The cursor row is locked for the
-length of the transaction, so dispatchers on any number of hosts take turns
-on one shared schedule, and the claim that follows a pick commits with it.
+The cursor row of the priority class is locked FOR UPDATE first, so
+dispatchers on any number of hosts take turns on one shared schedule, and
+the deficits and cursor they write commit together with the claim. The
+work per pick is bounded: at most 2 * PROBE_LIMIT candidate queues, read
+through the partial index of queues with work, whatever the backlog or the
+number of idle tenants.
 """
 
 from __future__ import annotations
@@ -11,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from tenantq.fairness import drr
 from tenantq.store import jobs
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, Priority
 from tenantq.store.queries import sql
 
-# How many queues one pick may probe before giving up for now. A probe only
-# fails for a queue whose runnable jobs were all taken since the last look
-# (or are due later), and each failed probe fixes the queue's hint, so the
-# bound is rarely reached; it keeps the worst case of one pick bounded.
+# Candidate queues read per side of the cursor. A probe only fails for a
+# queue whose runnable jobs were all taken since the last look, or a tenant
+# at its cap; each failed probe fixes the queue's hint.
 PROBE_LIMIT = 32
 
 
@@ -29,6 +32,14 @@ class ClaimRequest:
     driver: str
     batch_size: int
     lease_seconds: float
+    fair_by: drr.Mode = drr.Mode.JOBS
+    # credit per visit and unit of weight, in seconds, with fair_by=runtime
+    quantum_seconds: float = 1.0
+
+    @property
+    def quantum(self) -> float:
+        # jobs mode: a weight-1 queue may take one full batch per turn
+        return float(self.batch_size) if self.fair_by is drr.Mode.JOBS else self.quantum_seconds
 
 
 def claim_next(
@@ -36,32 +47,66 @@ def claim_next(
 ) -> Batch | None:
     """Lease the next batch of `priority` work, or None if there is none."""
     with conn.transaction():
-        cursor_row = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority}).fetchone()
-        assert cursor_row is not None, "scheduler rows are created by the schema"
-        cursor = str(cursor_row["cursor_tenant"])
-        candidates = conn.execute(
+        row = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority}).fetchone()
+        assert row is not None, "scheduler rows are created by the schema"
+        cursor, turn_open = str(row["cursor_tenant"]), bool(row["turn_open"])
+        rows = conn.execute(
             sql("queues", "candidates"),
-            {"priority": priority, "after": cursor, "limit": PROBE_LIMIT, "now": now},
+            {"priority": priority, "from_tenant": cursor, "limit": PROBE_LIMIT, "now": now},
         ).fetchall()
-        for row in candidates[:PROBE_LIMIT]:
-            tenant_id = str(row["tenant_id"])
+        if rows and not turn_open and rows[0]["tenant_id"] == cursor:
+            rows.append(rows.pop(0))  # its turn is over: it goes last this round
+        candidates = [
+            drr.Candidate(
+                tenant_id=str(r["tenant_id"]),
+                weight=int(str(r["weight"])),
+                deficit=float(str(r["deficit"])),
+                at_cap=r["max_sandboxes"] is not None and int(str(r["live"])) >= int(str(r["max_sandboxes"])),
+            )
+            for r in rows
+        ]
+        capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
+        plan = drr.plan(candidates, cursor=cursor, turn_open=turn_open, mode=request.fair_by,
+                        quantum=request.quantum, batch_size=request.batch_size)
+        if plan.credited:
+            _set_deficits(conn, priority, plan.credited)
+        for grant in plan.grants:
+            if grant.tenant_id in capped and _at_cap(conn, grant.tenant_id, now):
+                continue
             batch = jobs.claim(
                 conn,
-                tenant_id=tenant_id,
+                tenant_id=grant.tenant_id,
                 priority=priority,
-                limit=request.batch_size,
+                limit=grant.max_jobs,
                 worker_id=request.worker_id,
                 driver=request.driver,
                 lease_seconds=request.lease_seconds,
                 now=now,
             )
-            if batch is not None:
-                conn.execute(
-                    sql("scheduler", "advance_cursor"), {"priority": priority, "tenant_id": tenant_id}
-                )
-                return batch
-            _settle_queue_hint(conn, tenant_id, priority)
+            if batch is None:
+                _settle_queue_hint(conn, grant.tenant_id, priority)
+                continue
+            deficit, keep_turn = drr.charge(grant, claimed=len(batch.jobs), mode=request.fair_by)
+            _set_deficits(conn, priority, {grant.tenant_id: deficit})
+            conn.execute(sql("scheduler", "advance_cursor"),
+                         {"priority": priority, "tenant_id": grant.tenant_id, "turn_open": keep_turn})
+            return batch
         return None
+
+
+def _at_cap(conn: Conn, tenant_id: str, now: datetime | None) -> bool:
+    """Authoritative cap check under the tenant's row lock (held to commit),
+    so two dispatchers picking different classes cannot both pass it."""
+    row = conn.execute(sql("tenants", "lock_and_count_live"), {"tenant_id": tenant_id, "now": now}).fetchone()
+    if row is None or row["max_sandboxes"] is None:
+        return False
+    return int(str(row["live"])) >= int(str(row["max_sandboxes"]))
+
+
+def _set_deficits(conn: Conn, priority: Priority, deficits: dict[str, float]) -> None:
+    conn.execute(sql("queues", "set_deficits"), {
+        "priority": priority, "tenant_ids": list(deficits), "deficits": list(deficits.values()),
+    })
 
 
 def _settle_queue_hint(conn: Conn, tenant_id: str, priority: Priority) -> None:

@@ -28,6 +28,9 @@ class JobEnded:
     result: Any = None
     error: str | None = None
     retryable: bool = True
+    # measured run time, when the executor knows it better than the
+    # dispatcher's clock between start and end events (a sandbox's guest)
+    seconds: float | None = None
 
 
 Report = Callable[[JobStarted | JobEnded], None]

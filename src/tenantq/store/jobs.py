@@ -130,6 +130,8 @@ def settle(
     *,
     release: Iterable[int] = (),
     end_outcome: str | None = None,
+    run_seconds: float | None = None,
+    charge_runtime: bool = False,
     now: datetime | None = None,
 ) -> list[int]:
     """Apply settlements under the batch's fencing token, in one transaction.
@@ -137,6 +139,8 @@ def settle(
     `release` lists jobs that never started: they go back to pending with
     their attempt refunded. With `end_outcome`, the lease ends too. Raises
     LeaseLost (and changes nothing) when the lease is no longer live.
+    `run_seconds` is the batch's measured cost; with `charge_runtime` it is
+    charged to the queue's DRR deficit (fairness by run time).
     """
     release_ids = list(release)
     with conn.transaction():
@@ -165,7 +169,13 @@ def settle(
             ).fetchall()
         wake_queues(conn, woken)
         if end_outcome is not None:
-            conn.execute(sql("batches", "end"), {"batch_id": batch_id, "outcome": end_outcome, "now": now})
+            ended = conn.execute(sql("batches", "end"), {
+                "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
+            }).fetchone()
+            if ended is not None and charge_runtime and run_seconds:
+                conn.execute(sql("queues", "charge"), {
+                    "tenant_id": ended["tenant_id"], "priority": ended["priority"], "seconds": run_seconds,
+                })
     return settled
 
 

@@ -24,8 +24,10 @@ RETURNING batch_id;
 
 -- name: end
 UPDATE batches
-SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s
-WHERE batch_id = %(batch_id)s AND ended_at IS NULL;
+SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s,
+    run_seconds = %(run_seconds)s
+WHERE batch_id = %(batch_id)s AND ended_at IS NULL
+RETURNING tenant_id, priority;
 
 -- name: expire
 -- The reaper: end every lease past its expiry and put its unsettled jobs

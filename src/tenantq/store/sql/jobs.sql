@@ -45,8 +45,13 @@ WITH input AS (
     RETURNING id, tenant_id, idempotency_key
 ), wake_listeners AS (
     -- delivered at commit, so a woken worker already sees the jobs; one
-    -- notification per statement (identical ones in a transaction collapse)
-    SELECT pg_notify(%(channel)s, '') FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
+    -- notification per statement
+    -- the payload tells workers whether interactive work arrived, which
+    -- recalls slots lent out of the interactive reservation
+    SELECT pg_notify(%(channel)s,
+                     CASE WHEN EXISTS (SELECT 1 FROM input WHERE priority = 'interactive')
+                          THEN 'interactive' ELSE '' END)
+    FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
 )
 SELECT id, tenant_id, idempotency_key
 FROM inserted, (SELECT count(*) FROM wake_listeners) AS fired

@@ -23,18 +23,49 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
     WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at;
 
 -- name: candidates
--- Queues of one class that may have runnable work, in round-robin order
--- starting after the cursor and wrapping around. The partial index
--- queues_with_work holds only queues with work, so idle tenants cost nothing.
-(SELECT tenant_id, deficit FROM queues
- WHERE priority = %(priority)s AND has_work AND tenant_id > %(after)s
-   AND next_run_at <= coalesce(%(now)s::timestamptz, now())
- ORDER BY tenant_id LIMIT %(limit)s)
+-- Queues of one class that may have runnable work, in round-robin order:
+-- from the cursor (inclusive: its turn may still be open) to the end, then
+-- from the start. The partial index queues_with_work holds only queues with
+-- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
+-- counted for capped tenants (a hint here; the picker re-counts under the
+-- tenant's row lock before it claims).
+(SELECT q.tenant_id, q.deficit, t.weight, t.max_sandboxes,
+        CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
+            (SELECT count(*) FROM batches b
+             WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
+               AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
+ FROM queues q JOIN tenants t USING (tenant_id)
+ WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id >= %(from_tenant)s
+   AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
-(SELECT tenant_id, deficit FROM queues
- WHERE priority = %(priority)s AND has_work AND tenant_id <= %(after)s
-   AND next_run_at <= coalesce(%(now)s::timestamptz, now())
- ORDER BY tenant_id LIMIT %(limit)s);
+(SELECT q.tenant_id, q.deficit, t.weight, t.max_sandboxes,
+        CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
+            (SELECT count(*) FROM batches b
+             WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
+               AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
+ FROM queues q JOIN tenants t USING (tenant_id)
+ WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id < %(from_tenant)s
+   AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY q.tenant_id LIMIT %(limit)s);
+
+-- name: set_deficits
+UPDATE queues q
+SET deficit = d.deficit
+FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenant_id, deficit)
+WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s;
+
+-- name: charge
+-- Fairness by run time: charge a finished batch's measured seconds.
+UPDATE queues
+SET deficit = deficit - %(seconds)s
+WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s;
+
+-- name: interactive_runnable
+SELECT EXISTS (
+    SELECT 1 FROM queues
+    WHERE priority = 'interactive' AND has_work AND next_run_at <= now()
+) AS waiting;
 
 -- name: lock_for_clear
 SELECT has_work FROM queues

@@ -40,7 +40,9 @@ CREATE INDEX queues_with_work ON queues (priority, tenant_id) WHERE has_work;
 -- dispatchers: that is what makes the schedule global.
 CREATE TABLE scheduler (
     priority      text PRIMARY KEY CONSTRAINT scheduler_priority_known CHECK (priority IN ('interactive', 'default', 'bulk')),
-    cursor_tenant text NOT NULL DEFAULT ''
+    cursor_tenant text NOT NULL DEFAULT '',
+    -- the cursor's queue had credit left for another batch when last served
+    turn_open     boolean NOT NULL DEFAULT false
 );
 INSERT INTO scheduler (priority) VALUES ('interactive'), ('default'), ('bulk');
 
@@ -59,7 +61,9 @@ CREATE TABLE batches (
     ended_at         timestamptz,
     outcome          text CONSTRAINT outcome_known CHECK (outcome IN ('ok', 'failed', 'released', 'lease_expired')),
     CONSTRAINT ended_has_outcome CHECK ((ended_at IS NULL) = (outcome IS NULL)),
-    CONSTRAINT lease_after_creation CHECK (lease_expires_at >= created_at)
+    CONSTRAINT lease_after_creation CHECK (lease_expires_at >= created_at),
+    -- measured run time of its jobs: the DRR cost with fairness by run time
+    run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0)
 );
 -- live leases per tenant: occupancy (caps) is counted from here
 CREATE INDEX batches_live ON batches (tenant_id) WHERE ended_at IS NULL;
