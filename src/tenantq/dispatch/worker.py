@@ -274,6 +274,7 @@ class BatchRun:
                 with pool.connection() as conn:
                     jobs.settle(conn, self.batch.batch_id, settlements, release=release,
                                 end_outcome=end_outcome, run_seconds=self.run_seconds,
+                                ran_jobs=len(self.ended),
                                 charge_runtime=self.worker.config.fair_by is Mode.RUNTIME)
                 break
             except LeaseLost as exc:

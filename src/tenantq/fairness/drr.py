@@ -8,13 +8,13 @@ those it credited on the way).
 Each visit to a queue credits it `quantum * weight` cost units, once per
 turn. Cost is one unit per job (`Mode.JOBS`: the batch size is capped by the
 credit, and the credit is charged at claim time) or measured run seconds
-(`Mode.RUNTIME`: the credit only decides eligibility, the run time is
-charged when the batch ends, and a deficit may go negative, which makes a
-queue with long jobs sit out turns until its credit recovers). A turn stays
-open on the same queue while it has credit for more (jobs mode), so a
+(`Mode.RUNTIME`: an estimate is charged at claim time and corrected with the
+measured run time when the batch ends; a deficit may go negative, which
+makes a queue with long jobs sit out turns until its credit recovers). A
+turn stays open on the same queue while it has credit for more, so a
 weight-3 tenant takes three batches in a row where a weight-1 tenant takes
-one. A queue at its tenant's cap is passed over without credit. When a queue
-empties its deficit resets to zero: idle tenants keep no credit.
+one. A queue at its tenant's cap is passed over without credit. When a
+queue empties its deficit resets to zero: idle tenants keep no credit.
 """
 
 from __future__ import annotations
@@ -40,24 +40,18 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class Grant:
-    """Permission for `tenant_id` to take a batch of at most `max_jobs`.
+class Visit:
+    """One queue's turn in rotation order.
 
-    `deficit` is the queue's credit after this visit's quantum, before the
-    batch is charged.
+    `deficit` is its credit after this visit's quantum. An `eligible` visit
+    may take a batch of at most `max_jobs`; a visit that is not eligible
+    (runtime mode, still in debt) only keeps the credit it was given.
     """
 
     tenant_id: str
     deficit: float
+    eligible: bool
     max_jobs: int
-
-
-@dataclass(frozen=True)
-class Plan:
-    grants: list[Grant]
-    # credit given to queues that could not be served on this pass
-    # (runtime mode, still in debt): written back so the debt shrinks
-    credited: dict[str, float]
 
 
 def plan(
@@ -68,47 +62,56 @@ def plan(
     mode: Mode,
     quantum: float,
     batch_size: int,
-) -> Plan:
-    """Which candidates may take a batch, in the order to try them.
+) -> list[Visit]:
+    """The visits of one pick, in rotation order.
 
-    `candidates` are in rotation order, starting with the cursor's queue if
-    it still has work. When no queue has enough credit on one pass (runtime
-    mode debt), every queue is credited the number of whole rounds the
-    least-indebted one needs, as DRR would after that many passes.
+    The picker walks them in order and stops at the first eligible visit
+    whose claim finds jobs; the credits of the visits it walked past are
+    written back, those after it are not (they were not visited). When no
+    queue has enough credit on one pass (runtime mode debt), every queue is
+    credited the number of whole rounds the first of them needs to recover,
+    as DRR would after that many passes.
     """
-    grants: list[Grant] = []
-    credited: dict[str, float] = {}
-    debtors: list[Candidate] = []
+    visits: list[Visit] = []
     for c in candidates:
         if c.at_cap:
             continue
         continuing = turn_open and c.tenant_id == cursor
         credit = c.deficit if continuing else c.deficit + quantum * c.weight
-        if _eligible(credit, mode):
-            grants.append(Grant(c.tenant_id, credit, _batch_limit(credit, mode, batch_size)))
-        else:
-            credited[c.tenant_id] = credit
-            debtors.append(Candidate(c.tenant_id, c.weight, credit))
-    if grants or not debtors:
-        return Plan(grants, credited)
-    rounds = min(math.ceil((_threshold(mode) - d.deficit) / (quantum * d.weight)) for d in debtors)
+        visits.append(_visit(c.tenant_id, credit, mode, batch_size))
+    if not visits or any(v.eligible for v in visits):
+        return visits
+    weights = {c.tenant_id: c.weight for c in candidates}
+    rounds = min(math.ceil((_threshold(mode) - v.deficit) / (quantum * weights[v.tenant_id])) for v in visits)
     rounds = max(rounds, 1)
-    for d in debtors:
-        credit = d.deficit + rounds * quantum * d.weight
-        credited[d.tenant_id] = credit
-        if _eligible(credit, mode):
-            grants.append(Grant(d.tenant_id, credit, _batch_limit(credit, mode, batch_size)))
-    return Plan(grants, credited)
+    return [_visit(v.tenant_id, v.deficit + rounds * quantum * weights[v.tenant_id], mode, batch_size)
+            for v in visits]
 
 
-def charge(grant: Grant, *, claimed: int, mode: Mode) -> tuple[float, bool]:
+def _visit(tenant_id: str, credit: float, mode: Mode, batch_size: int) -> Visit:
+    return Visit(tenant_id, credit, _eligible(credit, mode), _batch_limit(credit, mode, batch_size))
+
+
+def charge(visit: Visit, *, claimed: int, mode: Mode, est_job_cost: float = 0.0) -> tuple[float, bool]:
     """The queue's deficit after a batch of `claimed` jobs, and whether its
-    turn stays open for another batch."""
+    turn stays open for another batch.
+
+    In runtime mode the real cost is only known when the batch ends, so the
+    batch is charged an estimate now (the queue's average job seconds times
+    the jobs claimed) and corrected by `correction()` at the end; this keeps
+    a queue of cheap jobs from taking a batch per visit while its credit
+    grows without bound.
+    """
     if mode is Mode.JOBS:
-        left = grant.deficit - claimed
+        left = visit.deficit - claimed
         return left, left >= 1
-    # runtime: charged when the batch ends; one batch per visit
-    return grant.deficit, False
+    left = visit.deficit - est_job_cost * claimed
+    return left, left > 0
+
+
+def correction(*, actual_seconds: float, charged_seconds: float) -> float:
+    """What to subtract from the deficit when a runtime-charged batch ends."""
+    return actual_seconds - charged_seconds
 
 
 def _threshold(mode: Mode) -> float:

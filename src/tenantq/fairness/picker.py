@@ -66,31 +66,44 @@ def claim_next(
             for r in rows
         ]
         capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
-        plan = drr.plan(candidates, cursor=cursor, turn_open=turn_open, mode=request.fair_by,
-                        quantum=request.quantum, batch_size=request.batch_size)
-        if plan.credited:
-            _set_deficits(conn, priority, plan.credited)
-        for grant in plan.grants:
-            if grant.tenant_id in capped and _at_cap(conn, grant.tenant_id, now):
+        # runtime mode: until a queue has history, assume a batch costs one quantum
+        default_est = request.quantum_seconds / request.batch_size
+        estimates = {str(r["tenant_id"]): float(str(r["avg_job_seconds"])) if r["avg_job_seconds"] is not None
+                     else default_est for r in rows}
+        visits = drr.plan(candidates, cursor=cursor, turn_open=turn_open, mode=request.fair_by,
+                          quantum=request.quantum, batch_size=request.batch_size)
+        walked_past: dict[str, float] = {}
+        for visit in visits:
+            if not visit.eligible:
+                walked_past[visit.tenant_id] = visit.deficit  # runtime debt shrinks by one quantum
+                continue
+            if visit.tenant_id in capped and _at_cap(conn, visit.tenant_id, now):
                 continue
             batch = jobs.claim(
                 conn,
-                tenant_id=grant.tenant_id,
+                tenant_id=visit.tenant_id,
                 priority=priority,
-                limit=grant.max_jobs,
+                limit=visit.max_jobs,
                 worker_id=request.worker_id,
                 driver=request.driver,
                 lease_seconds=request.lease_seconds,
                 now=now,
             )
             if batch is None:
-                _settle_queue_hint(conn, grant.tenant_id, priority)
+                _settle_queue_hint(conn, visit.tenant_id, priority)
                 continue
-            deficit, keep_turn = drr.charge(grant, claimed=len(batch.jobs), mode=request.fair_by)
-            _set_deficits(conn, priority, {grant.tenant_id: deficit})
+            est = estimates[visit.tenant_id]
+            deficit, keep_turn = drr.charge(visit, claimed=len(batch.jobs), mode=request.fair_by,
+                                            est_job_cost=est)
+            _set_deficits(conn, priority, {**walked_past, visit.tenant_id: deficit})
+            if request.fair_by is drr.Mode.RUNTIME:
+                conn.execute(sql("batches", "set_charged"),
+                             {"batch_id": batch.batch_id, "seconds": est * len(batch.jobs)})
             conn.execute(sql("scheduler", "advance_cursor"),
-                         {"priority": priority, "tenant_id": grant.tenant_id, "turn_open": keep_turn})
+                         {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
             return batch
+        if walked_past:
+            _set_deficits(conn, priority, walked_past)
         return None
 
 

@@ -131,6 +131,7 @@ def settle(
     release: Iterable[int] = (),
     end_outcome: str | None = None,
     run_seconds: float | None = None,
+    ran_jobs: int = 0,
     charge_runtime: bool = False,
     now: datetime | None = None,
 ) -> list[int]:
@@ -172,9 +173,10 @@ def settle(
             ended = conn.execute(sql("batches", "end"), {
                 "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
             }).fetchone()
-            if ended is not None and charge_runtime and run_seconds:
+            if ended is not None and charge_runtime and run_seconds is not None:
                 conn.execute(sql("queues", "charge"), {
-                    "tenant_id": ended["tenant_id"], "priority": ended["priority"], "seconds": run_seconds,
+                    "tenant_id": ended["tenant_id"], "priority": ended["priority"],
+                    "actual": run_seconds, "charged": ended["charged_seconds"], "jobs": ran_jobs,
                 })
     return settled
 

@@ -27,7 +27,10 @@ UPDATE batches
 SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s,
     run_seconds = %(run_seconds)s
 WHERE batch_id = %(batch_id)s AND ended_at IS NULL
-RETURNING tenant_id, priority;
+RETURNING tenant_id, priority, coalesce(charged_seconds, 0) AS charged_seconds;
+
+-- name: set_charged
+UPDATE batches SET charged_seconds = %(seconds)s WHERE batch_id = %(batch_id)s;
 
 -- name: expire
 -- The reaper: end every lease past its expiry and put its unsettled jobs

@@ -29,7 +29,7 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
 -- counted for capped tenants (a hint here; the picker re-counts under the
 -- tenant's row lock before it claims).
-(SELECT q.tenant_id, q.deficit, t.weight, t.max_sandboxes,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
@@ -39,7 +39,7 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
-(SELECT q.tenant_id, q.deficit, t.weight, t.max_sandboxes,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
@@ -56,9 +56,15 @@ FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenan
 WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s;
 
 -- name: charge
--- Fairness by run time: charge a finished batch's measured seconds.
+-- Fairness by run time, when a batch ends: replace the estimate charged at
+-- claim time with the measured seconds, and fold the batch's per-job time
+-- into the queue's moving average (weight 0.2 for the newest batch).
 UPDATE queues
-SET deficit = deficit - %(seconds)s
+SET deficit = deficit - (%(actual)s - %(charged)s),
+    avg_job_seconds = CASE
+        WHEN %(jobs)s::integer <= 0 THEN avg_job_seconds
+        WHEN avg_job_seconds IS NULL THEN %(actual)s / %(jobs)s::integer
+        ELSE 0.8 * avg_job_seconds + 0.2 * %(actual)s / %(jobs)s::integer END
 WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s;
 
 -- name: interactive_runnable

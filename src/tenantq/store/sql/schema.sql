@@ -31,7 +31,10 @@ CREATE TABLE queues (
     next_run_at timestamptz NOT NULL DEFAULT '-infinity',
     -- deficit round robin credit, in cost units (jobs or seconds)
     deficit    double precision NOT NULL DEFAULT 0,
-    PRIMARY KEY (tenant_id, priority)
+    PRIMARY KEY (tenant_id, priority),
+    -- fairness by run time: moving average of its jobs' run seconds
+    avg_job_seconds double precision
+        CONSTRAINT avg_job_seconds_nonnegative CHECK (avg_job_seconds IS NULL OR avg_job_seconds >= 0)
 );
 CREATE INDEX queues_with_work ON queues (priority, tenant_id) WHERE has_work;
 
@@ -63,7 +66,10 @@ CREATE TABLE batches (
     CONSTRAINT ended_has_outcome CHECK ((ended_at IS NULL) = (outcome IS NULL)),
     CONSTRAINT lease_after_creation CHECK (lease_expires_at >= created_at),
     -- measured run time of its jobs: the DRR cost with fairness by run time
-    run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0)
+    run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0),
+    -- fairness by run time: the estimate charged when it was claimed
+    charged_seconds  double precision
+        CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0)
 );
 -- live leases per tenant: occupancy (caps) is counted from here
 CREATE INDEX batches_live ON batches (tenant_id) WHERE ended_at IS NULL;
