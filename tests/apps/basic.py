@@ -56,3 +56,29 @@ def block(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
 @tenantq.handler("demo.bad_result", isolation="inline")
 def bad_result(payload: Any, ctx: tenantq.JobContext) -> object:
     return object()
+
+
+@tenantq.handler("demo.track", isolation="inline")
+def track(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
+    """Keep a per-tenant high-water mark of concurrently running jobs in
+    files under payload["dir"] (an flock makes it exact across processes)."""
+    import fcntl
+
+    folder = Path(payload["dir"])
+    current, highest = folder / f"{ctx.tenant}.cur", folder / f"{ctx.tenant}.max"
+
+    def bump(delta: int) -> None:
+        with open(folder / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            now = int(current.read_text() or 0) if current.exists() else 0
+            now += delta
+            current.write_text(str(now))
+            top = int(highest.read_text() or 0) if highest.exists() else 0
+            if now > top:
+                highest.write_text(str(now))
+
+    bump(+1)
+    try:
+        time.sleep(float(payload.get("sleep", 0.01)))
+    finally:
+        bump(-1)

@@ -22,7 +22,9 @@ def db_now(db: Database) -> datetime:
     return value
 
 
-def fetch_all(db: Database, query: LiteralString, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def fetch_all(
+    db: Database, query: LiteralString, params: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     with db.connect() as conn:
         return conn.execute(query, params or {}).fetchall()
 

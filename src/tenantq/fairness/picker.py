@@ -110,10 +110,12 @@ def claim_next(
 def _at_cap(conn: Conn, tenant_id: str, now: datetime | None) -> bool:
     """Authoritative cap check under the tenant's row lock (held to commit),
     so two dispatchers picking different classes cannot both pass it."""
-    row = conn.execute(sql("tenants", "lock_and_count_live"), {"tenant_id": tenant_id, "now": now}).fetchone()
+    row = conn.execute(sql("tenants", "lock_for_cap"), {"tenant_id": tenant_id}).fetchone()
     if row is None or row["max_sandboxes"] is None:
         return False
-    return int(str(row["live"])) >= int(str(row["max_sandboxes"]))
+    live = conn.execute(sql("tenants", "count_live"), {"tenant_id": tenant_id, "now": now}).fetchone()
+    assert live is not None
+    return int(str(live["live"])) >= int(str(row["max_sandboxes"]))
 
 
 def _set_deficits(conn: Conn, priority: Priority, deficits: dict[str, float]) -> None:

@@ -20,16 +20,18 @@ FROM tenants t
 WHERE %(tenant_id)s::text IS NULL OR t.tenant_id = %(tenant_id)s
 ORDER BY t.tenant_id;
 
--- name: lock_and_count_live
+-- name: lock_for_cap
 -- Cap enforcement across dispatchers: picks of different classes run in
 -- parallel (one cursor lock per class), so the tenant row is locked before
 -- its live leases are counted. FOR NO KEY UPDATE does not conflict with
 -- the FOR KEY SHARE locks that enqueues' foreign-key checks take.
 -- Lock order everywhere: scheduler row, tenant row, queue row, jobs.
-SELECT t.max_sandboxes,
-       (SELECT count(*) FROM batches b
-        WHERE b.tenant_id = t.tenant_id AND b.ended_at IS NULL
-          AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) AS live
-FROM tenants t
-WHERE t.tenant_id = %(tenant_id)s
-FOR NO KEY UPDATE OF t;
+SELECT max_sandboxes FROM tenants WHERE tenant_id = %(tenant_id)s FOR NO KEY UPDATE;
+
+-- name: count_live
+-- A separate statement after lock_for_cap on purpose: under READ COMMITTED
+-- a subquery in the locking statement would use the snapshot taken before
+-- the lock wait and miss the batch the previous lock holder just committed.
+SELECT count(*) AS live FROM batches
+WHERE tenant_id = %(tenant_id)s AND ended_at IS NULL
+  AND lease_expires_at > coalesce(%(now)s::timestamptz, now());

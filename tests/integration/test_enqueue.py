@@ -1,0 +1,220 @@
+"""Enqueue: ids, bulk insert in one statement, idempotency keys, input
+validation that writes nothing, and delays."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import tenantq
+from tenantq import JobSpec, Queue
+from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.store.db import Database
+from tenantq.store.validation import MAX_PAYLOAD_BYTES
+from tests.integration.helpers import db_now, fetch_all, fetch_one, scalar, table_counts
+
+REQUEST = ClaimRequest(worker_id="test-claimer", driver="test", batch_size=10, lease_seconds=30)
+
+
+def test_enqueue_returns_new_ids(queue: Queue, db: Database) -> None:
+    first = queue.enqueue("acme", "demo.hello", {"n": 1})
+    second = queue.enqueue("acme", "demo.hello", {"n": 2}, priority="interactive", max_attempts=2)
+    assert isinstance(first, int) and isinstance(second, int)
+    assert second > first
+    info = queue.job(second)
+    assert (info.tenant_id, info.kind, info.payload, info.priority, info.status) == (
+        "acme", "demo.hello", {"n": 2}, "interactive", "pending")
+    assert (info.attempts, info.max_attempts, info.result, info.last_error) == (0, 2, None, None)
+    queues = fetch_all(db, "SELECT tenant_id, priority, has_work FROM queues ORDER BY priority")
+    assert queues == [
+        {"tenant_id": "acme", "priority": "default", "has_work": True},
+        {"tenant_id": "acme", "priority": "interactive", "has_work": True},
+    ]
+
+
+def test_enqueue_many_is_one_statement_in_input_order(queue: Queue, db: Database) -> None:
+    tenants = [f"tenant-{i}" for i in range(7)]
+    specs: list[JobSpec | dict[str, Any]] = []
+    for i in range(5000):
+        tenant = tenants[(i * 3) % len(tenants)]  # tenants interleaved, not grouped
+        if i % 2:
+            specs.append(JobSpec(tenant=tenant, kind="demo.noop", payload={"i": i}))
+        else:
+            specs.append({"tenant": tenant, "kind": "demo.noop", "payload": {"i": i}, "priority": "bulk"})
+    ids = queue.enqueue_many(specs)
+
+    assert len(ids) == 5000
+    assert len(set(ids)) == 5000
+    assert ids == sorted(ids), "ids must come back in input order"
+    assert scalar(db, "SELECT count(*) FROM jobs") == 5000
+    rows = fetch_all(db, "SELECT id, tenant_id, (payload->>'i')::int AS i FROM jobs ORDER BY id")
+    assert [r["id"] for r in rows] == ids
+    assert [r["i"] for r in rows] == list(range(5000))
+    assert [r["tenant_id"] for r in rows] == [tenants[(i * 3) % 7] for i in range(5000)]
+    # one statement: every row (jobs, tenants, queues) carries the same
+    # inserting transaction and command id
+    same = fetch_one(
+        db,
+        "SELECT (SELECT count(DISTINCT (xmin::text, cmin::text)) FROM jobs) AS jobs, "
+        "(SELECT count(DISTINCT (xmin::text, cmin::text)) FROM jobs j) AS again, "
+        "(SELECT count(DISTINCT created_at) FROM jobs) AS clocks",
+    )
+    assert same == {"jobs": 1, "again": 1, "clocks": 1}
+    txids = fetch_all(
+        db,
+        "SELECT DISTINCT xmin::text AS x FROM jobs UNION SELECT DISTINCT xmin::text FROM tenants "
+        "UNION SELECT DISTINCT xmin::text FROM queues",
+    )
+    assert len(txids) == 1, "tenants, queues and jobs must commit together"
+    assert scalar(db, "SELECT count(*) FROM tenants") == 7
+    assert scalar(db, "SELECT count(*) FROM queues") == 14
+
+
+def test_enqueue_many_of_nothing(queue: Queue, db: Database) -> None:
+    assert queue.enqueue_many([]) == []
+    assert table_counts(db)["jobs"] == 0
+
+
+def test_idempotency_key_returns_the_existing_id_per_tenant(queue: Queue, db: Database) -> None:
+    first = queue.enqueue("acme", "demo.hello", {"v": 1}, key="order-42")
+    again = queue.enqueue("acme", "demo.hello", {"v": 2}, key="order-42")
+    assert again == first
+    assert queue.job(first).payload == {"v": 1}, "a repeated key must not overwrite the job"
+
+    other_tenant = queue.enqueue("globex", "demo.hello", {"v": 3}, key="order-42")
+    assert other_tenant != first
+    assert scalar(db, "SELECT count(*) FROM jobs") == 2
+
+    # mixed call: a known key, a key repeated inside the call, keyless jobs
+    ids = queue.enqueue_many([
+        {"tenant": "acme", "kind": "demo.hello", "payload": 1},
+        {"tenant": "acme", "kind": "demo.hello", "payload": 2, "key": "order-42"},
+        {"tenant": "acme", "kind": "demo.hello", "payload": 3, "key": "fresh"},
+        {"tenant": "globex", "kind": "demo.hello", "payload": 4},
+        {"tenant": "acme", "kind": "demo.hello", "payload": 5, "key": "fresh"},
+        {"tenant": "globex", "kind": "demo.hello", "payload": 6, "key": "order-42"},
+        {"tenant": "initech", "kind": "demo.hello", "payload": 7, "key": "order-42"},
+    ])
+    assert ids[1] == first
+    assert ids[5] == other_tenant
+    assert ids[4] == ids[2], "a key repeated inside one call maps to one job"
+    new_ids = [ids[0], ids[2], ids[3], ids[6]]
+    assert len(set(new_ids)) == 4 and not set(new_ids) & {first, other_tenant}
+    assert new_ids == sorted(new_ids)
+    assert scalar(db, "SELECT count(*) FROM jobs") == 6
+    payloads = {r["id"]: r["payload"] for r in fetch_all(db, "SELECT id, payload FROM jobs")}
+    assert [payloads[i] for i in ids] == [1, {"v": 1}, 3, 4, 3, {"v": 3}, 7]
+
+
+def test_repeating_a_whole_keyed_batch_inserts_nothing(queue: Queue, db: Database) -> None:
+    specs = [{"tenant": "acme", "kind": "demo.noop", "key": f"k{i}"} for i in range(20)]
+    first = queue.enqueue_many(specs)
+    before = table_counts(db)
+    assert queue.enqueue_many(list(reversed(specs))) == list(reversed(first))
+    assert table_counts(db) == before
+
+
+BAD_INPUTS: list[tuple[dict[str, Any], str]] = [
+    ({"tenant": ""}, "tenant id must be a non-empty string"),
+    ({"tenant": "t" * 129}, "129 characters; the limit is 128"),
+    ({"tenant": "has space"}, "tenant id 'has space' is invalid"),
+    ({"tenant": None}, "tenant id must be a non-empty string"),
+    ({"payload": {1, 2}}, "payload is not JSON-serialisable"),
+    ({"payload": {"x": math.nan}}, "payload is not JSON-serialisable"),
+    ({"payload": {"x": math.inf}}, "payload is not JSON-serialisable"),
+    ({"payload": "x" * MAX_PAYLOAD_BYTES}, f"the limit is {MAX_PAYLOAD_BYTES}"),
+    ({"priority": "urgent"}, "unknown priority 'urgent'"),
+    ({"max_attempts": 0}, "max_attempts must be between 1 and"),
+    ({"max_attempts": True}, "max_attempts must be an integer"),
+    ({"delay": -1}, "delay must be between 0 and"),
+    ({"delay": math.nan}, "delay must be between 0 and"),
+    ({"kind": "bad kind"}, "kind 'bad kind' is invalid"),
+    ({"kind": ""}, "kind '' is invalid"),
+    ({"kind": "9starts.with.digit"}, "is invalid"),
+    ({"key": ""}, "idempotency key must be"),
+    ({"key": "k" * 256}, "idempotency key must be"),
+]
+
+
+def _job(**overrides: Any) -> dict[str, Any]:
+    job: dict[str, Any] = {"tenant": "acme", "kind": "demo.hello", "payload": {"ok": True}}
+    job.update(overrides)
+    return job
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
+def test_bad_input_is_rejected_and_writes_nothing(
+    queue: Queue, db: Database, overrides: dict[str, Any], message: str
+) -> None:
+    queue.enqueue("existing", "demo.noop")
+    before = table_counts(db)
+    job = _job(**overrides)
+    with pytest.raises(tenantq.InvalidInput, match="^[^\n]+$") as info:
+        queue.enqueue(job.pop("tenant"), job.pop("kind"), job.pop("payload"), **job)
+    assert message in str(info.value)
+    assert table_counts(db) == before
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
+def test_one_bad_job_rejects_the_whole_enqueue_many(
+    queue: Queue, db: Database, overrides: dict[str, Any], message: str
+) -> None:
+    before = table_counts(db)
+    jobs = [_job(payload=i) for i in range(3)] + [_job(**overrides)] + [_job(payload=9)]
+    with pytest.raises(tenantq.InvalidInput) as info:
+        queue.enqueue_many(jobs)
+    assert str(info.value).startswith("job 3: ")
+    assert message in str(info.value)
+    assert table_counts(db) == before
+
+
+def test_unknown_field_in_enqueue_many(queue: Queue, db: Database) -> None:
+    with pytest.raises(tenantq.InvalidInput, match="job 0: unknown field"):
+        queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop", "tenantt": "x"}])
+    assert table_counts(db)["jobs"] == 0
+
+
+def test_largest_allowed_payloads_are_accepted(queue: Queue) -> None:
+    """Payloads the validator accepts (<= 256 KiB of JSON) must be stored,
+    whatever their shape: the database's own size check must agree."""
+    # 256 KiB exactly as a string
+    text = "x" * (MAX_PAYLOAD_BYTES - 2)
+    assert queue.job(queue.enqueue("acme", "demo.noop", text)).payload == text
+    # 200 KB of compact JSON made of many small items (Postgres renders
+    # jsonb with ", " and ": ", so its text is ~1.5x the compact form)
+    many = [0] * 100_000
+    job_id = queue.enqueue("acme", "demo.noop", many)
+    assert queue.job(job_id).payload == many
+    nested = {f"k{i:05d}": i for i in range(15_000)}
+    assert queue.job(queue.enqueue("acme", "demo.noop", nested)).payload == nested
+
+
+def test_delayed_job_is_not_claimable_until_due(queue: Queue, db: Database) -> None:
+    now = db_now(db)
+    job_id = queue.enqueue("acme", "demo.noop", delay=60, now=now)
+    info = queue.job(job_id)
+    assert info.run_after == now + timedelta(seconds=60)
+    with db.connect() as conn:
+        assert claim_next(conn, REQUEST, "default") is None
+        assert claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=59)) is None
+        batch = claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=61))
+    assert batch is not None
+    assert [j.id for j in batch.jobs] == [job_id]
+
+
+def test_delayed_and_immediate_jobs_of_one_tenant(queue: Queue, db: Database) -> None:
+    """A later, immediate enqueue makes the tenant runnable again without
+    waiting for the earlier delayed job."""
+    now = db_now(db)
+    later = queue.enqueue("acme", "demo.noop", delay=3600, now=now)
+    with db.connect() as conn:
+        assert claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=1)) is None
+        soon = queue.enqueue("acme", "demo.noop", now=now + timedelta(seconds=2))
+        batch = claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=3))
+        assert batch is not None and [j.id for j in batch.jobs] == [soon]
+        assert claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=4)) is None
+        batch = claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=3601))
+        assert batch is not None and [j.id for j in batch.jobs] == [later]
