@@ -152,7 +152,7 @@ def test_bad_input_is_rejected_and_writes_nothing(
     queue.enqueue("existing", "demo.noop")
     before = table_counts(db)
     job = _job(**overrides)
-    with pytest.raises(tenantq.InvalidInput, match="^[^\n]+$") as info:
+    with pytest.raises(tenantq.InvalidInput, match=r"^[^\n]+$") as info:
         queue.enqueue(job.pop("tenant"), job.pop("kind"), job.pop("payload"), **job)
     assert message in str(info.value)
     assert table_counts(db) == before
