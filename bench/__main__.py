@@ -6,13 +6,17 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import throughput
+from bench import fairness, scaling, throughput
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
+    "scaling": scaling.run,
+    "fairness": fairness.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1},
+    "scaling": {"picks": 5, "max_pending": 1_000},
+    "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300},
 }
 
 

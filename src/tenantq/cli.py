@@ -195,12 +195,20 @@ def db_stop() -> None:
 @click.option("--backoff-base", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
               help="Retry backoff base in seconds (full jitter, doubling per attempt).")
 @click.option("--backoff-cap", type=click.FloatRange(0, 86400), default=600.0, show_default=True)
+@click.option("--fair-by", type=click.Choice(["jobs", "runtime"]), default="jobs", show_default=True,
+              help="DRR cost: one unit per job, or measured run seconds.")
+@click.option("--quantum-seconds", type=click.FloatRange(0.001, 3600), default=1.0, show_default=True,
+              help="With --fair-by runtime: credit per turn and unit of weight.")
+@click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
+              help="Share of slots reserved for interactive work (lent out when unused).")
 @click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
 def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seconds: float,
-           poll_seconds: float, backoff_base: float, backoff_cap: float, once: bool) -> None:
+           poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
+           quantum_seconds: float, interactive_share: float, once: bool) -> None:
     """Run jobs: lease batches fairly, run them, settle every job."""
     from tenantq.dispatch.outcome import Backoff
     from tenantq.dispatch.worker import Worker, WorkerConfig
+    from tenantq.fairness.drr import Mode
     from tenantq.registry import REGISTRY, load_app
     from tenantq.sandbox.inline import InlineExecutor
 
@@ -211,7 +219,9 @@ def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seco
     load_app(app)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                           poll_seconds=poll_seconds, once=once,
-                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap))
+                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
+                          fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
+                          interactive_share=interactive_share)
     with _queue() as q:
         db_ = q.db
     w = Worker(db_, InlineExecutor(REGISTRY), config)

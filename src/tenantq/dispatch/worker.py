@@ -124,6 +124,9 @@ class Worker:
             maintenance.tick()
             if not cfg.once:
                 listener.start()
+                # wake-ups only work once LISTEN is in place; without it the
+                # poll interval still applies, so do not wait forever
+                listener.listening.wait(timeout=5)
             maintenance.start()
             for slot in slots:
                 slot.start()

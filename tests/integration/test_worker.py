@@ -1,0 +1,186 @@
+"""The worker end to end on real Postgres with the inline executor: --once
+drains, NOTIFY wake-ups, failures and retries, and graceful stop."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
+from tenantq import REGISTRY, Queue
+from tenantq.dispatch.outcome import Backoff
+from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.sandbox.inline import InlineExecutor
+from tenantq.store.db import Database
+from tenantq.testing import drain, wait_until
+from tests.integration.helpers import WorkerThread, db_now, fetch_all, running, scalar, status_counts
+
+NO_BACKOFF = Backoff(base_seconds=0.0, cap_seconds=0.0)
+
+
+def _worker(db: Database, **config: object) -> Worker:
+    settings: dict[str, object] = {"concurrency": 1, "batch_size": 10, "lease_seconds": 30,
+                                   "poll_seconds": 0.2, "backoff": NO_BACKOFF}
+    settings.update(config)
+    return Worker(db, InlineExecutor(REGISTRY), WorkerConfig(**settings))  # type: ignore[arg-type]
+
+
+def _run_once(worker: Worker, timeout: float = 20.0) -> WorkerStats:
+    """Run a once=True worker in a thread and wait for it to return by itself."""
+    assert worker.config.once
+    thread = WorkerThread(worker).start()
+    thread.thread.join(timeout)
+    if thread.thread.is_alive():
+        thread.stop_and_join()
+        raise AssertionError("a once=True worker did not return on its own")
+    return thread.stop_and_join()
+
+
+def _status(queue: Queue, job_id: int) -> str:
+    return queue.job(job_id).status
+
+
+def test_once_drains_what_is_runnable_and_returns(queue: Queue, db: Database) -> None:
+    ids = queue.enqueue_many([{"tenant": f"t{i % 3}", "kind": "demo.hello", "payload": {"i": i}}
+                              for i in range(25)])
+    later = queue.enqueue("t0", "demo.hello", delay=3600)
+    stats = _run_once(_worker(db, once=True, concurrency=2, batch_size=4))
+
+    assert stats.done == 25 and stats.retried == 0 and stats.dead == 0
+    for i, job_id in enumerate(ids):
+        info = queue.job(job_id)
+        assert info.status == "done" and info.attempts == 1
+        assert info.result == {"hello": f"t{i % 3}", "job": job_id, "attempt": 1, "payload": {"i": i}}
+        assert info.finished_at is not None
+    assert _status(queue, later) == "pending", "not runnable yet, so not drained"
+    assert scalar(db, "SELECT count(*) FROM batches WHERE ended_at IS NULL") == 0
+    # nothing runnable: returns straight away
+    assert _run_once(_worker(db, once=True)).batches == 0
+
+
+def _listening(db: Database) -> bool:
+    return bool(scalar(
+        db,
+        "SELECT count(*) > 0 FROM pg_stat_activity WHERE query = %(listen)s AND datname = current_database()",
+        {"listen": f'LISTEN "{db.notify_channel}"'},
+    ))
+
+
+def test_idle_worker_wakes_on_notify_well_before_the_poll(queue: Queue, db: Database) -> None:
+    worker = _worker(db, poll_seconds=5.0)
+    with running(worker):
+        first = queue.enqueue("acme", "demo.hello")
+        wait_until(lambda: _status(queue, first) == "done", timeout=5, message="first job done")
+        wait_until(lambda: _listening(db), timeout=5, message="the worker's LISTEN")
+        for n in range(3):
+            # the slot went idle right after its last empty claim, so a poll
+            # would not come for ~5 s: only the notification can wake it
+            wait_until(lambda: scalar(db, "SELECT count(*) FROM jobs WHERE status <> 'done'") == 0,
+                       timeout=3)
+            started = time.monotonic()
+            job_id = queue.enqueue("acme", "demo.hello", {"n": n})
+            wait_until(lambda job_id=job_id: _status(queue, job_id) == "done", timeout=3,
+                       message="the job, woken by NOTIFY")
+            assert time.monotonic() - started < 3
+        stopping = time.monotonic()
+    assert time.monotonic() - stopping < 3, "an idle worker stops without waiting for its poll"
+
+
+def test_unknown_kind_fails_the_job_and_the_worker_carries_on(queue: Queue, db: Database) -> None:
+    worker = _worker(db)
+    with running(worker) as (thread,):
+        bad = queue.enqueue("acme", "no.such.kind", {"x": 1}, max_attempts=2)
+        wait_until(lambda: _status(queue, bad) == "dead", timeout=10, message="unknown kind dead")
+        good = queue.enqueue("acme", "demo.hello")
+        wait_until(lambda: _status(queue, good) == "done", timeout=10, message="next job done")
+        assert thread.thread.is_alive()
+    info = queue.job(bad)
+    assert info.attempts == 2
+    assert info.last_error is not None
+    assert info.last_error.startswith("unknown kind 'no.such.kind': no handler registered (known: ")
+    assert "demo.hello" in info.last_error
+
+
+def test_handler_exception_becomes_a_retry_with_its_text(queue: Queue, db: Database) -> None:
+    job_id = queue.enqueue("acme", "demo.fail", max_attempts=3)
+    stats = _run_once(_worker(db, once=True, backoff=Backoff(base_seconds=3600, cap_seconds=3600)))
+    assert stats.retried == 1
+    info = queue.job(job_id)
+    assert (info.status, info.attempts) == ("pending", 1)
+    assert info.last_error is not None
+    assert info.last_error.startswith("RuntimeError: boom on attempt 1\n")
+    assert "Traceback" in info.last_error and "in fail" in info.last_error
+    assert info.run_after > db_now(db)
+    assert info.run_after <= db_now(db) + timedelta(seconds=3600)
+    assert info.why_waiting, "a waiting job says why"
+
+
+def test_retries_until_success_or_dead(queue: Queue, db: Database) -> None:
+    flaky = queue.enqueue("acme", "demo.flaky", {"succeed_on": 3}, max_attempts=5)
+    doomed = queue.enqueue("globex", "demo.fail", max_attempts=3)
+    stats = drain(db)
+    assert (stats.done, stats.dead, stats.retried) == (1, 1, 4)
+
+    ok = queue.job(flaky)
+    assert (ok.status, ok.attempts, ok.result) == ("done", 3, {"succeeded_on": 3})
+    dead = queue.job(doomed)
+    assert (dead.status, dead.attempts) == ("dead", 3)
+    assert dead.last_error is not None and dead.last_error.startswith("RuntimeError: boom on attempt 3")
+    assert [r["id"] for r in queue.dead_jobs()] == [doomed]
+
+
+def test_non_json_result_is_a_failed_attempt(queue: Queue, db: Database) -> None:
+    job_id = queue.enqueue("acme", "demo.bad_result", max_attempts=1)
+    drain(db)
+    info = queue.job(job_id)
+    assert (info.status, info.attempts, info.result) == ("dead", 1, None)
+    assert info.last_error is not None and "result is not JSON-serialisable" in info.last_error
+
+
+def test_drain_retries_a_bad_result_until_dead(queue: Queue, db: Database) -> None:
+    """testing.drain promises that a failing job is retried within the same
+    drain until it is dead; a result that cannot be stored is a failed
+    attempt like any other, so it must follow the worker's backoff."""
+    job_id = queue.enqueue("acme", "demo.bad_result", max_attempts=3)
+    drain(db)
+    info = queue.job(job_id)
+    assert (info.status, info.attempts) == ("dead", 3), (
+        f"retry scheduled {(info.run_after - db_now(db)).total_seconds():.2f}s ahead despite zero backoff")
+
+
+def test_graceful_stop_finishes_the_running_job_and_releases_the_rest(
+    queue: Queue, db: Database, tmp_path: Path
+) -> None:
+    started, release = tmp_path / "started", tmp_path / "release"
+    blocker = queue.enqueue("acme", "demo.block", {"started": str(started), "release": str(release),
+                                                   "max_seconds": 20})
+    rest = queue.enqueue_many([{"tenant": "acme", "kind": "demo.hello"} for _ in range(4)])
+    worker = _worker(db, concurrency=1, batch_size=10)
+    thread = WorkerThread(worker).start()
+    try:
+        wait_until(started.exists, timeout=10, message="demo.block to start")
+        lease = fetch_all(db, "SELECT batch_id, job_count, ended_at FROM batches")
+        assert len(lease) == 1 and lease[0]["job_count"] == 5 and lease[0]["ended_at"] is None
+        worker.stop()
+        assert thread.thread.is_alive(), "stop() must not abandon the running job"
+        release.write_text("go")
+        stats = thread.stop_and_join(timeout=15)
+    finally:
+        release.write_text("go")
+        worker.stop()
+        thread.thread.join(15)
+
+    assert (stats.done, stats.released) == (1, 4)
+    assert _status(queue, blocker) == "done"
+    for job_id in rest:
+        info = queue.job(job_id)
+        assert (info.status, info.attempts, info.batch_id, info.started_at) == ("pending", 0, None, None)
+    batches = fetch_all(db, "SELECT ended_at, outcome FROM batches")
+    assert len(batches) == 1 and batches[0]["ended_at"] is not None
+    assert batches[0]["outcome"] == "released"
+    assert status_counts(db) == {"done": 1, "pending": 4}
+    # the released jobs run normally afterwards, on their first attempt
+    drain(db)
+    assert all(queue.job(j).attempts == 1 for j in rest)
+    assert status_counts(db) == {"done": 5}
