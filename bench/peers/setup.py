@@ -63,7 +63,7 @@ def install() -> None:
 
 
 def main() -> None:
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 - this script runs under any python3
         sys.exit("bench/peers/setup.py: PgQueuer and Procrastinate need python >= 3.10")
     if up_to_date():
         log(f"up to date ({VENV})")

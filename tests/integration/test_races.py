@@ -250,3 +250,22 @@ def test_enqueue_into_an_emptied_queue_racing_its_clear(queue: Queue, db: Databa
             jobs.settle(conn, batch.batch_id, done, end_outcome="ok")
     counts = status_counts(db)
     assert counts == {"done": len(enqueued), "cancelled": rounds * tenants_per_round}
+
+
+def test_concurrent_enqueues_with_one_idempotency_key_make_one_job(db: Database) -> None:
+    queues = [Queue(db.dsn, schema=db.schema) for _ in range(8)]
+    ids: list[int] = []
+    lock = threading.Lock()
+
+    def enqueue(q: Queue) -> None:
+        job_id = q.enqueue("acme", "demo.noop", key="only-once")
+        with lock:
+            ids.append(job_id)
+
+    try:
+        _start_together([lambda q=q: enqueue(q) for q in queues])
+    finally:
+        for q in queues:
+            q.close()
+    assert len(ids) == 8 and len(set(ids)) == 1
+    assert scalar(db, "SELECT count(*) FROM jobs") == 1

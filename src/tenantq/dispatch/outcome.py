@@ -32,15 +32,15 @@ class Backoff:
         return (rng or random).uniform(0.0, self.ceiling(attempt))
 
 
-def succeeded(job: ClaimedJob, result: Any) -> Settlement:
+def succeeded(job: ClaimedJob, result: Any, *, backoff: Backoff) -> Settlement:
     """Done, unless the result cannot be stored: then it is a failed attempt."""
     try:
         size = len(json.dumps(result, allow_nan=False).encode())
     except (TypeError, ValueError) as exc:
-        return failed(job, f"result is not JSON-serialisable: {exc}", backoff=Backoff())
+        return failed(job, f"result is not JSON-serialisable: {exc}", backoff=backoff)
     if size > MAX_RESULT_BYTES:
         return failed(job, f"result is {size} bytes of JSON; the limit is {MAX_RESULT_BYTES}",
-                      backoff=Backoff())
+                      backoff=backoff)
     return Settlement(job_id=job.id, status="done", result=result)
 
 

@@ -244,7 +244,7 @@ class BatchRun:
             time.monotonic() - self._job_started_at)
         backoff = self.worker.config.backoff
         if event.ok:
-            self.pending.append(succeeded(job, event.result))
+            self.pending.append(succeeded(job, event.result, backoff=backoff))
         else:
             self.pending.append(failed(job, event.error or "failed", backoff=backoff,
                                        retryable=event.retryable))

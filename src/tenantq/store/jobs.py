@@ -7,9 +7,11 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from psycopg.types.json import Jsonb
 
-from tenantq.errors import JobNotFound, LeaseLost
+from tenantq.errors import InvalidInput, JobNotFound, LeaseLost
+from tenantq.store import validation
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
 from tenantq.store.queries import sql
@@ -52,7 +54,16 @@ def insert_jobs(
         "channel": channel,
     }
     # one statement, so autocommit makes it one round trip and one commit
-    rows = conn.execute(sql("jobs", "insert"), params).fetchall()
+    try:
+        rows = conn.execute(sql("jobs", "insert"), params).fetchall()
+    except psycopg.errors.CheckViolation as exc:
+        # Validation mirrors every CHECK; this is the backstop for a payload
+        # whose jsonb rendering outgrows its JSON text (e.g. 1e300 spelled out).
+        if exc.diag.constraint_name == "payload_size":
+            raise InvalidInput(
+                f"payload is over {validation.MAX_PAYLOAD_BYTES} bytes as stored by Postgres"
+            ) from None
+        raise
     if len(rows) == len(jobs):
         return [int(str(r["id"])) for r in rows]
     return _ids_with_existing(conn, jobs, rows)

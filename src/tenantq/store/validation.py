@@ -49,12 +49,17 @@ def priority(value: object) -> Priority:
 
 
 def payload_json(value: Any) -> str:
-    """Serialise a payload, enforcing JSON-ness and the size limit."""
+    """Serialise a payload, enforcing JSON-ness and the size limit.
+
+    The limit is measured the way Postgres renders jsonb as text (", " and
+    ": " separators, UTF-8), which is what the payload_size CHECK measures.
+    """
     try:
         text = json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"payload is not JSON-serialisable: {exc}") from None
-    size = len(text.encode())
+    rendered = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
+    size = len(rendered.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise InvalidInput(f"payload is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES}")
     return text
