@@ -89,7 +89,9 @@ def tenantq_noisy(*, whale: int, small_tenants: int = 5, small_jobs: int = 10, c
             "settings": {"batch_size": batch_size, "concurrency": concurrency}}
 
 
-def weights_shares(*, jobs_per_tenant: int = 6000, run_jobs: int = 3000, concurrency: int = 4) -> dict[str, float]:
+def weights_shares(
+    *, jobs_per_tenant: int = 6000, run_jobs: int = 3000, concurrency: int = 4
+) -> dict[str, float]:
     rec = _Recorder()
     weights = {"w1": 1, "w2": 2, "w3": 3}
     with scratch_schema("weights") as db:
