@@ -9,10 +9,11 @@ queue/entrypoint with the tenant name in its payload.
 Scenario `fairness` (times are time.time(), producer and worker share one process and one clock):
 enqueue the whale's N jobs in bulk, start the worker, wait until --warmup-jobs whale jobs have run
 (N = 0: no whale; instead run one probe job and let the worker go idle), then enqueue --small-jobs
-jobs for each of --small-tenants tenants (one bulk call per tenant; a job's
-enqueue time is taken just before its call) and wait until every small job has started or
---deadline seconds (counted from the first small enqueue) have passed. A small job's wait is the
-time.time() at the start of its handler minus its enqueue time.
+jobs for each of --small-tenants tenants (one bulk call per tenant; a job's enqueue time is taken
+just before its call) and wait until every small job has started or --deadline seconds (counted
+from the first small enqueue) have passed. A small job's wait is the time.time() at the start of its
+handler minus its enqueue time. whale_done_before_last_small counts whale jobs finished (warm-up
+included) when the last small job started, or at the deadline.
 
 Scenario `throughput`: enqueue --single jobs one call each, then --jobs in one bulk call, then
 start the worker and time until every job has run and the worker has stopped (so its results

@@ -34,6 +34,7 @@ from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Database, Pool
 from tenantq.store.model import Batch, ClaimedJob, Settlement
+from tenantq.store.queries import sql
 
 log = logging.getLogger("tenantq.worker")
 
@@ -180,7 +181,13 @@ class Worker:
                                batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds,
                                fair_by=cfg.fair_by, quantum_seconds=cfg.quantum_seconds)
         with self._pool.connection() as conn:
+            rows = conn.execute(sql("queues", "classes_with_work"), {"now": None}).fetchall()
+            with_work = {str(r["priority"]) for r in rows}
+            if "interactive" not in with_work:
+                self.interactive_waiting.clear()
             for priority in class_order():
+                if priority not in with_work:
+                    continue
                 batch = claim_next(conn, request, priority)
                 if batch is not None:
                     self.leases.add(batch.batch_id)

@@ -46,14 +46,16 @@ def claim_next(
     conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None
 ) -> Batch | None:
     """Lease the next batch of `priority` work, or None if there is none."""
-    with conn.transaction():
-        row = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority}).fetchone()
+    # Pipelined: BEGIN, the cursor lock and the candidate read go out in one
+    # round trip; the claim is a second; the writes and COMMIT a third.
+    with conn.pipeline(), conn.transaction():
+        locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
+        found = conn.execute(sql("queues", "candidates"),
+                             {"priority": priority, "limit": PROBE_LIMIT, "now": now})
+        row = locked.fetchone()
         assert row is not None, "scheduler rows are created by the schema"
         cursor, turn_open = str(row["cursor_tenant"]), bool(row["turn_open"])
-        rows = conn.execute(
-            sql("queues", "candidates"),
-            {"priority": priority, "from_tenant": cursor, "limit": PROBE_LIMIT, "now": now},
-        ).fetchall()
+        rows = found.fetchall()
         if rows and not turn_open and rows[0]["tenant_id"] == cursor:
             rows.append(rows.pop(0))  # its turn is over: it goes last this round
         candidates = [

@@ -155,13 +155,14 @@ def settle(
     charged to the queue's DRR deficit (fairness by run time).
     """
     release_ids = list(release)
-    with conn.transaction():
-        if conn.execute(sql("batches", "lock_live"), {"batch_id": batch_id, "now": now}).fetchone() is None:
-            raise LeaseLost(f"lease {batch_id} is no longer live; its jobs were or will be re-leased")
-        woken: list[dict[str, Any]] = []
-        settled: list[int] = []
+    # Pipelined: BEGIN and every statement go out in one round trip, COMMIT
+    # in a second. The statements do not depend on each other's results; if
+    # the lease turns out to be lost, raising rolls all of them back.
+    with conn.pipeline() as pipeline, conn.transaction():
+        live = conn.execute(sql("batches", "lock_live"), {"batch_id": batch_id, "now": now})
+        settled = None
         if settlements:
-            rows = conn.execute(
+            settled = conn.execute(
                 sql("jobs", "settle"),
                 {
                     "batch_id": batch_id,
@@ -172,24 +173,19 @@ def settle(
                     "delays": [s.delay for s in settlements],
                     "now": now,
                 },
-            ).fetchall()
-            settled = [int(str(r["id"])) for r in rows]
-            woken += [r for r in rows if r["status"] == "pending"]
+            )
         if release_ids:
-            woken += conn.execute(
-                sql("jobs", "release_unstarted"), {"batch_id": batch_id, "ids": release_ids}
-            ).fetchall()
-        wake_queues(conn, woken)
+            conn.execute(sql("jobs", "release_unstarted"), {"batch_id": batch_id, "ids": release_ids})
         if end_outcome is not None:
-            ended = conn.execute(sql("batches", "end"), {
+            conn.execute(sql("batches", "end"), {
                 "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
-            }).fetchone()
-            if ended is not None and charge_runtime and run_seconds is not None:
-                conn.execute(sql("queues", "charge"), {
-                    "tenant_id": ended["tenant_id"], "priority": ended["priority"],
-                    "actual": run_seconds, "charged": ended["charged_seconds"], "jobs": ran_jobs,
-                })
-    return settled
+            })
+            if charge_runtime and run_seconds is not None:
+                conn.execute(sql("queues", "charge"), {"batch_id": batch_id, "jobs": ran_jobs})
+        pipeline.sync()
+        if live.fetchone() is None:
+            raise LeaseLost(f"lease {batch_id} is no longer live; its jobs were or will be re-leased")
+        return [int(str(r["id"])) for r in settled.fetchall()] if settled is not None else []
 
 
 def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:

@@ -26,8 +26,7 @@ RETURNING batch_id;
 UPDATE batches
 SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s,
     run_seconds = %(run_seconds)s
-WHERE batch_id = %(batch_id)s AND ended_at IS NULL
-RETURNING tenant_id, priority, coalesce(charged_seconds, 0) AS charged_seconds;
+WHERE batch_id = %(batch_id)s AND ended_at IS NULL;
 
 -- name: set_charged
 UPDATE batches SET charged_seconds = %(seconds)s WHERE batch_id = %(batch_id)s;

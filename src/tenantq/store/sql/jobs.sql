@@ -106,33 +106,55 @@ RETURNING j.id, j.tenant_id, j.kind, j.payload, j.priority, j.attempts, j.max_at
 -- name: settle
 -- Apply each job's outcome, but only while the job still runs under the
 -- presenting lease (batch_id = fencing token AND status = 'running'): a
--- zombie whose lease was reaped and re-leased matches no row.
+-- zombie whose lease was reaped and re-leased matches no row. Jobs that go
+-- back to pending (retries) wake their queue in the same statement (see the
+-- has_work protocol in queues.sql).
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), outcome AS (
     SELECT *
     FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(results)s::jsonb[], %(errors)s::text[],
                 %(delays)s::double precision[]) AS o(id, status, result, error, delay)
+), settled AS (
+    UPDATE jobs j
+    SET status = o.status,
+        result = CASE WHEN o.status = 'done' THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
+        last_error = coalesce(o.error, j.last_error),
+        batch_id = NULL,
+        run_after = CASE WHEN o.status = 'pending' THEN clock.now + make_interval(secs => o.delay)
+                         ELSE j.run_after END,
+        finished_at = CASE WHEN o.status IN ('done', 'dead') THEN clock.now END
+    FROM outcome o, clock
+    WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
+    RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after
+), woken AS (
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
+    SELECT tenant_id, priority, true, min(run_after) FROM settled
+    WHERE status = 'pending'
+    GROUP BY tenant_id, priority
+    ON CONFLICT (tenant_id, priority) DO UPDATE
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at
 )
-UPDATE jobs j
-SET status = o.status,
-    result = CASE WHEN o.status = 'done' THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
-    last_error = coalesce(o.error, j.last_error),
-    batch_id = NULL,
-    run_after = CASE WHEN o.status = 'pending' THEN clock.now + make_interval(secs => o.delay) ELSE j.run_after END,
-    finished_at = CASE WHEN o.status IN ('done', 'dead') THEN clock.now END
-FROM outcome o, clock
-WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
-RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after;
+SELECT id, status FROM settled;
 
 -- name: release_unstarted
 -- Jobs of a batch that never started go back without losing the attempt
--- that the claim counted.
-UPDATE jobs
-SET status = 'pending', batch_id = NULL, attempts = attempts - 1,
-    started_at = NULL
-WHERE batch_id = %(batch_id)s AND status = 'running' AND id = ANY(%(ids)s::bigint[])
-RETURNING id, tenant_id, priority, status, run_after;
+-- that the claim counted, and wake their queue.
+WITH released AS (
+    UPDATE jobs
+    SET status = 'pending', batch_id = NULL, attempts = attempts - 1, started_at = NULL
+    WHERE batch_id = %(batch_id)s AND status = 'running' AND id = ANY(%(ids)s::bigint[])
+    RETURNING id, tenant_id, priority, run_after
+), woken AS (
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
+    SELECT tenant_id, priority, true, min(run_after) FROM released
+    GROUP BY tenant_id, priority
+    ON CONFLICT (tenant_id, priority) DO UPDATE
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at
+)
+SELECT id FROM released;
 
 -- name: get
 SELECT j.*, b.worker_id AS lease_owner, b.lease_expires_at

@@ -25,7 +25,8 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- name: candidates
 -- Queues of one class that may have runnable work, in round-robin order:
 -- from the cursor (inclusive: its turn may still be open) to the end, then
--- from the start. The partial index queues_with_work holds only queues with
+-- from the start. It runs right after lock_cursor, as a new statement, so
+-- the cursor it reads is the one the previous lock holder committed. The partial index queues_with_work holds only queues with
 -- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
 -- counted for capped tenants (a hint here; the picker re-counts under the
 -- tenant's row lock before it claims).
@@ -35,7 +36,8 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
                AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
  FROM queues q JOIN tenants t USING (tenant_id)
- WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id >= %(from_tenant)s
+ WHERE q.priority = %(priority)s AND q.has_work
+   AND q.tenant_id >= (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
@@ -45,7 +47,8 @@ UNION ALL
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
                AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
  FROM queues q JOIN tenants t USING (tenant_id)
- WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id < %(from_tenant)s
+ WHERE q.priority = %(priority)s AND q.has_work
+   AND q.tenant_id < (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
  ORDER BY q.tenant_id LIMIT %(limit)s);
 
@@ -56,16 +59,25 @@ FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenan
 WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s;
 
 -- name: charge
--- Fairness by run time, when a batch ends: replace the estimate charged at
--- claim time with the measured seconds, and fold the batch's per-job time
--- into the queue's moving average (weight 0.2 for the newest batch).
-UPDATE queues
-SET deficit = deficit - (%(actual)s - %(charged)s),
+-- Fairness by run time, when a batch ends (after batches.end in the same
+-- transaction): replace the estimate charged at claim time with the
+-- measured seconds, and fold the batch's per-job time into the queue's
+-- moving average (weight 0.2 for the newest batch).
+UPDATE queues q
+SET deficit = q.deficit - (b.run_seconds - coalesce(b.charged_seconds, 0)),
     avg_job_seconds = CASE
-        WHEN %(jobs)s::integer <= 0 THEN avg_job_seconds
-        WHEN avg_job_seconds IS NULL THEN %(actual)s / %(jobs)s::integer
-        ELSE 0.8 * avg_job_seconds + 0.2 * %(actual)s / %(jobs)s::integer END
-WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s;
+        WHEN %(jobs)s::integer <= 0 THEN q.avg_job_seconds
+        WHEN q.avg_job_seconds IS NULL THEN b.run_seconds / %(jobs)s::integer
+        ELSE 0.8 * q.avg_job_seconds + 0.2 * b.run_seconds / %(jobs)s::integer END
+FROM batches b
+WHERE b.batch_id = %(batch_id)s AND b.run_seconds IS NOT NULL
+  AND q.tenant_id = b.tenant_id AND q.priority = b.priority;
+
+-- name: classes_with_work
+-- Which classes have a queue with runnable work at all: lets a worker skip
+-- the pick transaction of an empty class (one cheap index read instead).
+SELECT DISTINCT priority FROM queues
+WHERE has_work AND next_run_at <= coalesce(%(now)s::timestamptz, now());
 
 -- name: interactive_runnable
 SELECT EXISTS (
