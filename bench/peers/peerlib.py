@@ -137,11 +137,12 @@ def with_dbname(dsn: str, dbname: str) -> str:
 def scratch_database(dsn: str, system: str) -> Iterator[str]:
     """Create `bench_<system>_<random>` on dsn's server, yield its URL, drop it afterwards (always)."""
     name = f"bench_{system}_{uuid.uuid4().hex[:10]}"
+    url = with_dbname(dsn, name)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     log.info("created database %s", name)
     try:
-        yield with_dbname(dsn, name)
+        yield url
     finally:
         # FORCE (PG 13+) terminates connections a failed run may have left behind.
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -362,8 +363,16 @@ def parse_args(system: str, argv: list[str] | None) -> argparse.Namespace:
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    # SystemExit unwinds through asyncio.run and the `finally` that drops the scratch database.
+    # Outside the event loop (creating/dropping the database): unwind through the `finally`s.
     raise SystemExit(128 + signum)
+
+
+async def _terminable(scenario: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    """Run `scenario`, turning SIGTERM into a cancellation so its `finally`s stop the worker cleanly."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    return await scenario
 
 
 def main(peer_cls: type[Peer], argv: list[str] | None = None) -> None:
@@ -377,6 +386,16 @@ def main(peer_cls: type[Peer], argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     peer = peer_cls(args)
     scenario = {"fairness": fairness, "throughput": throughput}[args.scenario]
-    with scratch_database(args.dsn, peer_cls.system) as dsn:
-        result = peer_cls.run_async(scenario(peer, dsn))
+    try:
+        with scratch_database(args.dsn, peer_cls.system) as dsn:
+            # The loop installs its own SIGTERM handler (_terminable); uvloop's is silently not called
+            # when a Python-level handler was set before the loop started, so reset to the default.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                result = peer_cls.run_async(_terminable(scenario(peer, dsn)))
+            finally:
+                signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        log.warning("interrupted")
+        sys.exit(128 + signal.SIGTERM)
     print(json.dumps(result), flush=True)

@@ -26,7 +26,7 @@ from datetime import timedelta
 from importlib.metadata import version
 from typing import Any, ClassVar
 
-import asyncpg
+import asyncpg  # type: ignore[import-untyped]  # no stubs
 import uvloop
 from peerlib import Handler, JobPayload, Peer, main
 from pgqueuer import PgQueuer, Queries

@@ -11,6 +11,8 @@
     q.job(job_id).status
 """
 
+from typing import TYPE_CHECKING, Any
+
 from tenantq.errors import (
     DatabaseUnavailable,
     InvalidInput,
@@ -18,9 +20,23 @@ from tenantq.errors import (
     LeaseLost,
     TenantqError,
 )
-from tenantq.queue import JobSpec, Queue
+from tenantq import builtins as _builtins  # registers tenantq.python
 from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler
 from tenantq.store.model import JobInfo
+
+if TYPE_CHECKING:
+    from tenantq.queue import JobSpec, Queue
+
+
+def __getattr__(name: str) -> Any:
+    # Queue pulls in psycopg; importing it lazily keeps `import tenantq`
+    # cheap and dependency-free inside a sandbox, where handlers only need
+    # the decorator and JobContext.
+    if name in ("Queue", "JobSpec"):
+        from tenantq import queue
+
+        return getattr(queue, name)
+    raise AttributeError(f"module 'tenantq' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

@@ -46,7 +46,7 @@ def migrate() -> None:
 @cli.command()
 @click.option("--tenant", required=True, help="Tenant the job belongs to.")
 @click.option("--kind", required=True, help="Handler name, e.g. reports.render.")
-@click.option("--payload", default="null", show_default=True, help="JSON payload.")
+@click.option("--payload", default="null", show_default=True, help="JSON payload, @FILE, or - for stdin.")
 @click.option("--priority", default="default", show_default=True,
               help="interactive | default | bulk")
 @click.option("--max-attempts", type=int, default=5, show_default=True)
@@ -54,7 +54,16 @@ def migrate() -> None:
 @click.option("--key", default=None, help="Idempotency key, unique per tenant.")
 def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: int,
             delay: float, key: str | None) -> None:
-    """Enqueue one job and print its id."""
+    """Enqueue one job and print its id. --payload @FILE reads the JSON from
+    a file, --payload - from standard input."""
+    if payload == "-":
+        payload = sys.stdin.read()
+    elif payload.startswith("@"):
+        try:
+            with open(payload[1:]) as fh:
+                payload = fh.read()
+        except OSError as exc:
+            raise InvalidInput(f"cannot read payload file: {exc}") from None
     parsed = validation.parse_payload(payload)
     with _queue() as q:
         click.echo(q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
@@ -228,6 +237,8 @@ def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seco
     _install_signal_handlers(w.stop)
     stats = w.run()
     click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
+    if w.failed:
+        raise TenantqError("the worker could not claim jobs (database errors); see the log above")
 
 
 def _install_signal_handlers(stop: Callable[[], None]) -> None:
@@ -252,8 +263,11 @@ def main() -> None:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
+    except click.UsageError as exc:
+        click.echo(f"error: {exc.format_message()} (see --help)", err=True)
+        sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
+        click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
     except TenantqError as exc:
         click.echo(f"error: {exc}", err=True)

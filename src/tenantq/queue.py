@@ -146,6 +146,8 @@ class Queue:
             return conn.execute(sql("batches", "live")).fetchall()
 
     def dead_jobs(self, tenant: str | None = None, *, limit: int = 100) -> list[dict[str, Any]]:
+        if tenant is not None:
+            validation.tenant_id(tenant)
         with self._conn() as conn:
             return jobs.dead_jobs(conn, tenant_id=tenant, limit=limit)
 
@@ -153,6 +155,8 @@ class Queue:
         self, ids: Sequence[int] | None = None, *, tenant: str | None = None
     ) -> list[int]:
         """Replay dead jobs: the given ids, or all (of one tenant) when ids is None."""
+        if tenant is not None:
+            validation.tenant_id(tenant)
         with self._conn() as conn:
             return jobs.retry_dead(conn, ids=ids, tenant_id=tenant, channel=self.db.notify_channel)
 

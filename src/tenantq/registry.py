@@ -38,6 +38,8 @@ class Handler:
     timeout: float
     memory_mb: int
     isolation: Isolation
+    # refuse to run in the dispatcher process even on an inline worker
+    sandbox_only: bool = False
 
 
 class Registry:
@@ -71,6 +73,7 @@ def handler(
     timeout: float = 60,
     memory_mb: int = 256,
     isolation: Isolation = "sandbox",
+    sandbox_only: bool = False,
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
     """Register `func(payload, ctx)` as the handler of `kind`.
@@ -88,7 +91,7 @@ def handler(
         raise InvalidInput(f"handler {kind!r}: isolation must be 'sandbox' or 'inline'")
 
     def register(func: F) -> F:
-        (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation))
+        (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only))
         return func
 
     return register

@@ -69,19 +69,21 @@ class Cli:
         return self.start("worker", "--app", APP, *args)
 
     def cleanup(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        for proc in self.procs:
-            proc.wait(timeout=30)
-        for fh in self._files:
-            fh.close()
+        try:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+            for proc in self.procs:
+                proc.wait(timeout=30)
+        finally:
+            for fh in self._files:
+                fh.close()
 
 
 def query(db: Database, statement: str, params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Read the test's schema directly (the CLI's view is checked separately)."""
     with db.connect() as conn:
-        return list(conn.execute(statement, params or {}).fetchall())  # type: ignore[arg-type]
+        return list(conn.execute(statement, params or {}).fetchall())
 
 
 def status_counts(db: Database) -> dict[str, int]:

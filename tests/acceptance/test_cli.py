@@ -198,8 +198,7 @@ def test_unknown_job_is_one_error_line(cli: Cli) -> None:
 # -- dead letters ------------------------------------------------------------
 
 def test_dead_list_and_retry(cli: Cli, queue: Queue) -> None:
-    acme = [int(cli.ok("enqueue", "--tenant", "acme", "--kind", "demo.fail", "--max-attempts", "2"))
-            for _ in range(2)]
+    acme = queue.enqueue_many([JobSpec(tenant="acme", kind="demo.fail", max_attempts=2)] * 2)
     globex = queue.enqueue_many([JobSpec(tenant="globex", kind="demo.fail", max_attempts=3)] * 2)
     res = cli.worker("--once", "--backoff-base", "0")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -251,8 +250,8 @@ def test_dead_list_and_retry(cli: Cli, queue: Queue) -> None:
 # -- cancel ------------------------------------------------------------------
 
 def test_cancel_pending_job_and_refuse_a_done_one(cli: Cli, queue: Queue) -> None:
-    pending = int(cli.ok("enqueue", "--tenant", "acme", "--kind", "demo.hello", "--delay", "600"))
-    done = int(cli.ok("enqueue", "--tenant", "acme", "--kind", "demo.hello"))
+    pending = queue.enqueue("acme", "demo.hello", delay=600)
+    done = queue.enqueue("acme", "demo.hello")
     assert cli.worker("--once").returncode == 0
     assert queue.job(done).status == "done"
 

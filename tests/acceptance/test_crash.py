@@ -49,7 +49,7 @@ def test_kill_9_mid_batch_loses_no_job(cli: Cli, db: Database, queue: Queue, tmp
     def mid_batch() -> bool:
         row = query(db, "SELECT count(*) FILTER (WHERE status = 'done') AS done, "
                         "count(*) FILTER (WHERE status = 'running') AS running FROM jobs")[0]
-        return row["done"] >= 20 and row["running"] > 0
+        return bool(row["done"] >= 20 and row["running"] > 0)
 
     wait_until(mid_batch, timeout=30, message="some jobs done and a batch running")
     first.send_signal(signal.SIGKILL)

@@ -37,6 +37,7 @@ from tenantq.store.model import Batch, ClaimedJob, Settlement
 from tenantq.store.queries import sql
 
 log = logging.getLogger("tenantq.worker")
+ONCE_CLAIM_ATTEMPTS = 5
 
 
 def default_worker_id() -> str:
@@ -101,6 +102,7 @@ class Worker:
         self.wakeup = Wakeup()
         self.leases = LeaseBook()
         self.started = threading.Event()
+        self.failed = False
         # set when interactive work is runnable: recalls lent reserved slots
         self.interactive_waiting = threading.Event()
         self.reserved = reserved_slots(self.config.concurrency, self.config.interactive_share)
@@ -163,6 +165,12 @@ class Worker:
                 failures = 0
             except psycopg.Error as exc:
                 failures += 1
+                if self.config.once and failures >= ONCE_CLAIM_ATTEMPTS:
+                    # a cron drain must end: give up and say so (non-zero exit)
+                    log.error("claim failed %d times (%s); giving up", failures, str(exc).strip()[:200])
+                    self.failed = True
+                    self.stop()
+                    return
                 delay = min(0.2 * 2**failures, 5.0)
                 log.warning("claim failed (%s); retrying in %.1fs", str(exc).strip()[:200], delay)
                 self.stopping.wait(delay)

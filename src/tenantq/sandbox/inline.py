@@ -38,6 +38,11 @@ class InlineExecutor:
                 report(JobEnded(job.id, ok=False,
                                 error=f"unknown kind {job.kind!r}: no handler registered (known: {known})"))
                 continue
+            if handler.sandbox_only:
+                report(JobEnded(job.id, ok=False, retryable=False,
+                                error=f"kind {job.kind!r} runs only in a sandbox; this worker runs inline "
+                                      "(start it with --sandbox auto|gvisor|process)"))
+                continue
             ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
                              kind=job.kind, max_attempts=job.max_attempts, env=dict(env))
             try:

@@ -1,0 +1,1 @@
+"""The guest side: what runs inside a sandbox. Stdlib only."""

@@ -1,0 +1,139 @@
+"""Cgroups for sandbox limits and for telling an OOM kill apart.
+
+The process driver puts each sandbox in cgroups of its own (memory, pids,
+cpu). gVisor manages its own cgroup (`cgroupsPath`) and deletes it on exit,
+so tenantq nests it under a parent it owns: the parent's hierarchical peak
+usage (v1) or oom_kill count (v2) survives the child and says whether the
+sandbox hit its memory limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "tenantq"
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+def is_v1() -> bool:
+    return (ROOT / "memory").is_dir()
+
+
+def available() -> bool:
+    """Can this process create cgroups (root, cgroupfs mounted writable)?"""
+    base = ROOT / "memory" if is_v1() else ROOT
+    return os.access(base, os.W_OK)
+
+
+class CgroupBox:
+    """Cgroups named tenantq/<id> in every controller tenantq uses."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+        self.v1 = is_v1()
+        if self.v1:
+            self.paths = {c: ROOT / c / PARENT / sandbox_id for c in V1_CONTROLLERS}
+        else:
+            self.paths = {"unified": ROOT / PARENT / sandbox_id}
+        self.memory_limit = 0
+
+    @property
+    def relative(self) -> str:
+        """The path as OCI cgroupsPath wants it (for a child of this box)."""
+        return f"/{PARENT}/{self.sandbox_id}"
+
+    def create(self, *, memory_mb: int | None, max_pids: int | None, cpus: float | None) -> None:
+        if not self.v1:
+            with contextlib.suppress(OSError):
+                (ROOT / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+            parent = ROOT / PARENT
+            parent.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):
+                (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        for path in self.paths.values():
+            path.mkdir(parents=True, exist_ok=True)
+        if memory_mb is not None:
+            self.memory_limit = memory_mb * 1024 * 1024
+            self._write("memory", "memory.limit_in_bytes" if self.v1 else "memory.max", str(self.memory_limit))
+            if self.v1:
+                with contextlib.suppress(OSError):
+                    self._write("memory", "memory.memsw.limit_in_bytes", str(self.memory_limit))
+            else:
+                self._write("memory", "memory.swap.max", "0")
+        if max_pids is not None:
+            self._write("pids", "pids.max", str(max_pids))
+        if cpus is not None:
+            period = 100_000
+            quota = max(1000, int(cpus * period))
+            if self.v1:
+                self._write("cpu", "cpu.cfs_period_us", str(period))
+                self._write("cpu", "cpu.cfs_quota_us", str(quota))
+            else:
+                self._write("cpu", "cpu.max", f"{quota} {period}")
+
+    def procs_files(self) -> list[Path]:
+        """Where to write a pid to put it in every controller of the box."""
+        return [path / "cgroup.procs" for path in self.paths.values()]
+
+    def oom_killed(self, memory_limit: int | None = None) -> bool:
+        """Did anything in the box (or a child cgroup) hit the memory limit?"""
+        limit = memory_limit or self.memory_limit
+        try:
+            if self.v1:
+                oom = self._read("memory", "memory.oom_control")
+                if "oom_kill 1" in oom or any(line == "oom_kill 1" for line in oom.splitlines()):
+                    return True
+                kills = [int(line.split()[1]) for line in oom.splitlines() if line.startswith("oom_kill ")]
+                if kills and kills[0] > 0:
+                    return True
+                peak = int(self._read("memory", "memory.max_usage_in_bytes"))
+                return bool(limit) and peak >= limit - 64 * 1024
+            events = self._read("memory", "memory.events")
+            return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
+        except (OSError, ValueError):
+            return False
+
+    def kill_all(self) -> None:
+        for procs in self.procs_files():
+            with contextlib.suppress(OSError, ValueError):
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(pid), signal.SIGKILL)
+
+    def remove(self) -> None:
+        """Remove the box (and any child runsc left behind). Idempotent."""
+        self.kill_all()
+        for path in self.paths.values():
+            _rmtree_cgroup(path)
+
+    def _controller_path(self, controller: str) -> Path:
+        return self.paths[controller] if self.v1 else self.paths["unified"]
+
+    def _write(self, controller: str, name: str, value: str) -> None:
+        (self._controller_path(controller) / name).write_text(value)
+
+    def _read(self, controller: str, name: str) -> str:
+        return (self._controller_path(controller) / name).read_text()
+
+
+def _rmtree_cgroup(path: Path) -> None:
+    """cgroup dirs can only be removed bottom-up with rmdir (no files inside)."""
+    if not path.is_dir():
+        return
+    for child in path.iterdir():
+        if child.is_dir():
+            _rmtree_cgroup(child)
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def stale_boxes() -> list[str]:
+    """Ids of tenantq cgroup boxes present on this host."""
+    base = ROOT / "memory" / PARENT if is_v1() else ROOT / PARENT
+    if not base.is_dir():
+        return []
+    return sorted(p.name for p in base.iterdir() if p.is_dir())

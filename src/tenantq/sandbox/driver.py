@@ -1,0 +1,95 @@
+"""The sandbox driver contract, and choosing a driver.
+
+A driver turns a SandboxSpec into a Sandbox: a private work directory the
+host can put files into and get files from, in which commands run with the
+spec's limits, no network, a read-only root and only the given mounts.
+A Firecracker or microsandbox driver implements the same two protocols.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+from tenantq.errors import InvalidInput
+from tenantq.sandbox.spec import ExecResult, SandboxSpec
+
+GUEST_WORK_DIR = "/tenantq/work"
+
+
+class Sandbox(Protocol):
+    id: str
+    spec: SandboxSpec
+    work_dir: Path
+
+    def put_file(self, name: str, data: bytes) -> None: ...
+
+    def get_file(self, name: str) -> bytes: ...
+
+    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
+            env: dict[str, str] | None = None) -> ExecResult:
+        """Run a command inside; `stdin` is how secrets get in without touching disk."""
+        ...
+
+    def destroy(self) -> None:
+        """Remove everything the sandbox left on the host. Idempotent."""
+        ...
+
+
+class SandboxDriver(Protocol):
+    name: str
+
+    def create(self, spec: SandboxSpec) -> Sandbox: ...
+
+    def reap(self) -> list[str]:
+        """Destroy sandboxes of this driver past their TTL (found by label),
+        and stale runtime state. Returns the ids removed."""
+        ...
+
+
+def runsc_works() -> bool:
+    """Is runsc installed and able to run a container here?"""
+    if shutil.which("runsc") is None:
+        return False
+    try:
+        subprocess.run(["runsc", "--version"], capture_output=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+def bwrap_works() -> bool:
+    if shutil.which("bwrap") is None:
+        return False
+    try:
+        subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib64",
+                        "/lib64", "--symlink", "usr/lib", "/lib", "/usr/bin/true"],
+                       capture_output=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+def get_driver(name: str, data_dir: Path) -> tuple[SandboxDriver, str]:
+    """The driver for `--sandbox NAME`, and a sentence saying what was chosen."""
+    from tenantq.sandbox.gvisor import GVisorDriver
+    from tenantq.sandbox.process import ProcessDriver
+
+    if name == "auto":
+        if runsc_works():
+            return GVisorDriver(data_dir), "sandbox auto: chose gvisor (runsc works here)"
+        if bwrap_works():
+            return ProcessDriver(data_dir), "sandbox auto: chose process (runsc is not available; bubblewrap is)"
+        raise InvalidInput("sandbox auto: neither runsc nor bubblewrap works here; install one, "
+                           "or use --sandbox inline for trusted code only")
+    if name == "gvisor":
+        if not runsc_works():
+            raise InvalidInput("sandbox gvisor: runsc is not installed or does not work (apt-get install runsc)")
+        return GVisorDriver(data_dir), "sandbox gvisor"
+    if name == "process":
+        if not bwrap_works():
+            raise InvalidInput("sandbox process: bubblewrap does not work here (apt-get install bubblewrap)")
+        return ProcessDriver(data_dir), "sandbox process (bubblewrap; weaker isolation than gvisor)"
+    raise InvalidInput(f"unknown sandbox driver {name!r}: use auto, gvisor, process or inline")

@@ -1,0 +1,203 @@
+"""The gvisor driver: each run is a fresh gVisor container (runsc, ptrace
+platform, `--network=none`) on the sandbox's bundle.
+
+The OCI bundle tenantq builds: a shared read-only skeleton root (generated
+/etc, empty mount points), /usr and the Python installation and the app's
+code bound read-only, a size-capped tmpfs /tmp, the private work dir bound
+read-write at /tenantq/work, uid 65534, memory / pids / CPU limits in the
+sandbox's cgroup, RLIMIT_NPROC for a graceful EAGAIN before the pids
+backstop. The container's init is `timeout -s KILL <ttl>`, so the sandbox
+dies at its deadline even if the dispatcher that started it is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from tenantq.sandbox.cgroups import CgroupBox
+from tenantq.sandbox.driver import GUEST_WORK_DIR
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs, read_meta
+from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
+from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, classify_exit, tail
+
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class GVisorDriver:
+    name = "gvisor"
+
+    def __init__(self, data_dir: Path, *, runsc: str | None = None) -> None:
+        self.data_dir = data_dir
+        self.runsc = runsc or shutil.which("runsc") or "runsc"
+        self.state_root = data_dir / "runsc"
+        self.state_root.mkdir(parents=True, exist_ok=True)
+        self.base = data_dir / "sandboxes" / self.name
+
+    def runsc_cmd(self, *args: str) -> list[str]:
+        return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none", *args]
+
+    def create(self, spec: SandboxSpec) -> GVisorSandbox:
+        sandbox_id, path = new_sandbox_dir(self.data_dir, self.name, guest_owns_work=True)
+        try:
+            skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
+            sandbox = GVisorSandbox(self, sandbox_id, path, spec, skeleton)
+            sandbox.box.create(memory_mb=None, max_pids=None, cpus=None)
+            return sandbox
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            CgroupBox(sandbox_id).remove()
+            raise
+
+    def _containers(self) -> list[dict[str, Any]]:
+        out = subprocess.run(self.runsc_cmd("list", "-format=json"), capture_output=True, text=True,
+                             timeout=30)
+        try:
+            return list(json.loads(out.stdout or "[]") or [])
+        except ValueError:
+            return []
+
+    def reap(self) -> list[str]:
+        """Kill and delete containers past their deadline or already stopped,
+        then remove expired sandbox dirs and their cgroups."""
+        removed: list[str] = []
+        for c in self._containers():
+            cid, status, bundle = str(c.get("id")), str(c.get("status")), Path(str(c.get("bundle", "")))
+            meta = read_meta(bundle)
+            expired = meta is None or float(str(meta["deadline"])) < _now()
+            if status == "stopped" or expired:
+                subprocess.run(self.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
+                subprocess.run(self.runsc_cmd("delete", "--force", cid), capture_output=True, timeout=30)
+                removed.append(cid)
+        for path in expired_dirs(self.base):
+            CgroupBox(path.name).remove()
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        return removed
+
+
+def _now() -> float:
+    return time.time()
+
+
+class GVisorSandbox(HostSandbox):
+    def __init__(self, driver: GVisorDriver, sandbox_id: str, path: Path, spec: SandboxSpec,
+                 skeleton: Path) -> None:
+        super().__init__(sandbox_id, path, spec, driver.name)
+        self.driver = driver
+        self.skeleton = skeleton
+        self.runs = 0
+        self._running: str | None = None
+        # containers whose `runsc run` we killed: their state needs a delete
+        self._dirty: list[str] = []
+
+    def _config(self, cid: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+        spec = self.spec
+        ttl = max(1, int(self.remaining_ttl()))
+        mounts: list[dict[str, Any]] = [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777", f"size={spec.tmp_mb}m"]},
+            {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
+            *({"destination": m.target, "type": "bind", "source": m.source, "options": ["rbind", "ro"]}
+              for m in spec.mounts),
+            {"destination": GUEST_WORK_DIR, "type": "bind", "source": str(self.work_dir),
+             "options": ["rbind", "rw"]},
+        ]
+        nproc = max(16, (spec.max_pids - 64) // 8)
+        return {
+            "ociVersion": "1.0.0",
+            "process": {
+                "terminal": False,
+                "user": {"uid": GUEST_UID, "gid": GUEST_GID},
+                "args": ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv],
+                "env": [f"{k}={v}" for k, v in {**BASE_ENV, **env}.items()],
+                "cwd": GUEST_WORK_DIR,
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024},
+                            {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}],
+                "noNewPrivileges": True,
+            },
+            "root": {"path": str(self.skeleton), "readonly": True},
+            "hostname": "sandbox",
+            "mounts": mounts,
+            "linux": {
+                "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network")],
+                "cgroupsPath": f"{self.box.relative}/{cid}",
+                "resources": {
+                    "memory": {"limit": spec.memory_mb * 1024 * 1024},
+                    "pids": {"limit": spec.max_pids},
+                    "cpu": {"quota": int(spec.cpus * 100_000), "period": 100_000},
+                },
+            },
+            "annotations": {"tenantq.sandbox": self.id, "tenantq.tenant": spec.tenant,
+                            "tenantq.deadline": f"{self.deadline:.0f}",
+                            **{f"tenantq.label.{k}": v for k, v in spec.labels.items()}},
+        }
+
+    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
+            env: dict[str, str] | None = None) -> ExecResult:
+        if self.destroyed:
+            raise RuntimeError(f"sandbox {self.id} was destroyed")
+        self.runs += 1
+        cid = f"{self.id}-{self.runs}"
+        (self.path / "config.json").write_text(json.dumps(self._config(cid, argv, env or {})))
+        out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
+        # runsc hands its stdio to the container: regular files in append
+        # mode, never pipes we would have to drain (see notes/gvisor.md)
+        with open(out_path, "ab") as out, open(err_path, "ab") as err:
+            proc = subprocess.Popen(self.driver.runsc_cmd("run", "--bundle", str(self.path), cid),
+                                    stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True)
+        self._proc, self._running = proc, cid
+        end: End | None = None
+        try:
+            assert proc.stdin is not None
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(stdin)
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            budget = min(timeout, self.remaining_ttl())
+            try:
+                returncode = proc.wait(timeout=budget)
+            except subprocess.TimeoutExpired:
+                self._kill(cid)
+                self._dirty.append(cid)
+                returncode = proc.wait(timeout=30)
+                end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
+        finally:
+            self._running = None
+        if end is None:
+            end = classify_exit(returncode)
+            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed(self.spec.memory_mb << 20):
+                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
+        stdout, stderr = out_path.read_bytes(), err_path.read_bytes()
+        if end.kind == "exit" and returncode == 2 and b"panic" in stderr.lower():
+            end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
+        return ExecResult(exit_code=returncode, stdout=tail(stdout), stderr=tail(stderr), end=end)
+
+    def _kill(self, cid: str) -> None:
+        subprocess.run(self.driver.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
+
+    def destroy(self) -> None:
+        if self.destroyed:
+            return
+        self.destroyed = True
+        proc, cid = self._proc, self._running
+        if cid is not None:
+            self._kill(cid)
+            self._dirty.append(cid)
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        for dirty in self._dirty:
+            # a `runsc run` that was killed leaves state behind until delete
+            subprocess.run(self.driver.runsc_cmd("delete", "--force", dirty), capture_output=True, timeout=30)
+        self._remove_host_state()
+
+
+__all__ = ["GVisorDriver", "GVisorSandbox", "Mount"]

@@ -1,0 +1,84 @@
+"""What both host-side drivers share: the sandbox directory, files in and
+out of the work dir, the cgroup box, TTL bookkeeping, idempotent destroy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from tenantq.sandbox.cgroups import CgroupBox
+from tenantq.sandbox.spec import SandboxSpec
+
+META_FILE = "sandbox.json"
+
+
+class HostSandbox:
+    """A sandbox's host-side state under <data_dir>/sandboxes/<driver>/<id>."""
+
+    def __init__(self, sandbox_id: str, path: Path, spec: SandboxSpec, driver_name: str) -> None:
+        self.id = sandbox_id
+        self.path = path
+        self.spec = spec
+        self.work_dir = path / "work"
+        self.driver_name = driver_name
+        self.deadline = time.time() + spec.ttl_seconds
+        self.box = CgroupBox(sandbox_id)
+        self.destroyed = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        (path / META_FILE).write_text(json.dumps({
+            "id": sandbox_id, "driver": driver_name, "tenant": spec.tenant, "deadline": self.deadline,
+            "labels": spec.labels, "created": time.time(), "dispatcher_pid": os.getpid(),
+        }))
+
+    def remaining_ttl(self) -> float:
+        return max(0.0, self.deadline - time.time())
+
+    def _safe_name(self, name: str) -> Path:
+        target = (self.work_dir / name).resolve()
+        if not str(target).startswith(str(self.work_dir.resolve()) + os.sep):
+            raise ValueError(f"{name!r} is outside the sandbox's work dir")
+        return target
+
+    def put_file(self, name: str, data: bytes) -> None:
+        target = self._safe_name(name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        with contextlib.suppress(PermissionError):
+            st = self.work_dir.stat()
+            os.chown(target, st.st_uid, st.st_gid)
+
+    def get_file(self, name: str) -> bytes:
+        return self._safe_name(name).read_bytes()
+
+    def _remove_host_state(self) -> None:
+        self.box.remove()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_meta(path: Path) -> dict[str, object] | None:
+    try:
+        return dict(json.loads((path / META_FILE).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def expired_dirs(base: Path, *, grace: float = 5.0) -> list[Path]:
+    """Sandbox dirs whose TTL (plus grace) has passed, or that lost their
+    metadata (a crash between mkdir and writing it)."""
+    if not base.is_dir():
+        return []
+    now = time.time()
+    out: list[Path] = []
+    for path in base.iterdir():
+        if not path.is_dir():
+            continue
+        meta = read_meta(path)
+        deadline = float(str(meta["deadline"])) if meta else path.stat().st_mtime + 3600
+        if now > deadline + grace:
+            out.append(path)
+    return out

@@ -1,0 +1,133 @@
+"""The process driver, for hosts without runsc: each run is a subprocess in
+fresh namespaces (bubblewrap: user, pid, net, ipc, uts, mount), with a
+read-only view of /usr, the Python installation and the app, a private
+tmpfs /tmp, the work dir read-write, uid 65534 inside, and cgroup limits
+(memory, pids, CPU) on the host. Weaker than gVisor: the job's system calls
+reach the host kernel.
+
+The init is `timeout -s KILL <ttl>`; bwrap also dies with the dispatcher
+(`--die-with-parent`), so a killed dispatcher leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
+from tenantq.sandbox import cgroups
+from tenantq.sandbox.cgroups import CgroupBox
+from tenantq.sandbox.driver import GUEST_WORK_DIR
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs
+from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
+from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
+
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+# Put the shell in the sandbox's cgroups, then become bwrap: everything the
+# sandbox starts is born inside the limits.
+ENTER_CGROUPS = 'IFS=:; for f in $TQ_CGROUP_PROCS; do ' \
+                'echo $$ > "$f" || exit 125; done; unset TQ_CGROUP_PROCS; exec "$@"'
+
+
+class ProcessDriver:
+    name = "process"
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.bwrap = shutil.which("bwrap") or "bwrap"
+        self.base = data_dir / "sandboxes" / self.name
+
+    def create(self, spec: SandboxSpec) -> ProcessSandbox:
+        sandbox_id, path = new_sandbox_dir(self.data_dir, self.name, guest_owns_work=False)
+        try:
+            skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
+            sandbox = ProcessSandbox(self, sandbox_id, path, spec, skeleton)
+            if cgroups.available():
+                sandbox.box.create(memory_mb=spec.memory_mb, max_pids=spec.max_pids, cpus=spec.cpus)
+            return sandbox
+        except BaseException:
+            CgroupBox(sandbox_id).remove()
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    def reap(self) -> list[str]:
+        removed: list[str] = []
+        for path in expired_dirs(self.base):
+            CgroupBox(path.name).remove()  # kills whatever still runs in it
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+        return removed
+
+
+class ProcessSandbox(HostSandbox):
+    def __init__(self, driver: ProcessDriver, sandbox_id: str, path: Path, spec: SandboxSpec,
+                 skeleton: Path) -> None:
+        super().__init__(sandbox_id, path, spec, driver.name)
+        self.driver = driver
+        self.skeleton = skeleton
+        self.runs = 0
+
+    def _argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
+        spec = self.spec
+        ttl = max(1, int(self.remaining_ttl()))
+        args = [self.driver.bwrap, "--die-with-parent", "--new-session", "--unshare-all",
+                "--uid", str(GUEST_UID), "--gid", str(GUEST_GID), "--hostname", "sandbox",
+                "--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            args += ["--symlink", f"usr/{link}", f"/{link}"]
+        args += ["--ro-bind", str(self.skeleton / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
+                 "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+        for m in spec.mounts:
+            args += ["--ro-bind", m.source, m.target]
+        args += ["--bind", str(self.work_dir), GUEST_WORK_DIR, "--chdir", GUEST_WORK_DIR, "--clearenv"]
+        for key, value in {**BASE_ENV, **env}.items():
+            args += ["--setenv", key, value]
+        return [*args, "--", "/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
+
+    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
+            env: dict[str, str] | None = None) -> ExecResult:
+        if self.destroyed:
+            raise RuntimeError(f"sandbox {self.id} was destroyed")
+        self.runs += 1
+        out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
+        procs = ":".join(str(p) for p in self.box.procs_files()) if cgroups.available() else ""
+        command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *self._argv(argv, env or {})] if procs \
+            else self._argv(argv, env or {})
+        with open(out_path, "ab") as out, open(err_path, "ab") as err:
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err,
+                                    env={"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"})
+        self._proc = proc
+        end: End | None = None
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(stdin)
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        budget = min(timeout, self.remaining_ttl())
+        try:
+            returncode = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            self.box.kill_all()
+            proc.kill()
+            returncode = proc.wait(timeout=30)
+            end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
+        if end is None:
+            end = classify_exit(returncode)
+            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed():
+                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
+        return ExecResult(exit_code=returncode, stdout=tail(out_path.read_bytes()),
+                          stderr=tail(err_path.read_bytes()), end=end)
+
+    def destroy(self) -> None:
+        if self.destroyed:
+            return
+        self.destroyed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            self.box.kill_all()
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        self._remove_host_state()
