@@ -13,6 +13,7 @@
 
 from typing import TYPE_CHECKING, Any
 
+from tenantq import builtins as builtins  # registers tenantq.python
 from tenantq.errors import (
     DatabaseUnavailable,
     InvalidInput,
@@ -20,7 +21,6 @@ from tenantq.errors import (
     LeaseLost,
     TenantqError,
 )
-from tenantq import builtins as _builtins  # registers tenantq.python
 from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler
 from tenantq.store.model import JobInfo
 

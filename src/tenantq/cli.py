@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -165,9 +166,14 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None) ->
 
 @cli.command()
 def reap() -> None:
-    """Reap expired leases now (workers also do this on their own)."""
+    """Reap expired leases and sandboxes past their TTL (workers also do this)."""
+    from tenantq.sandbox.reaper import reap_sandboxes
+    from tenantq.settings import Settings
+
     with _queue() as q:
         click.echo(f"reaped {q.reap()} job(s) from expired leases")
+    gone = reap_sandboxes(Settings().data_dir)
+    click.echo(f"reaped {len(gone)} sandbox(es) past their TTL")
 
 
 @cli.group()
@@ -195,7 +201,11 @@ def db_stop() -> None:
 @cli.command()
 @click.option("--app", "app", required=True, help="Module that registers the handlers.")
 @click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
-              default="inline", show_default=True)
+              default="auto", show_default=True,
+              help="Where batches run; kinds registered isolation='inline' always run in-process.")
+@click.option("--secrets", "secrets_file", default=None,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON or TOML: tenant -> {NAME: value}; each tenant's sandboxes get only theirs.")
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1, 10000), default=10, show_default=True)
 @click.option("--lease-seconds", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True)
@@ -211,21 +221,34 @@ def db_stop() -> None:
 @click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
               help="Share of slots reserved for interactive work (lent out when unused).")
 @click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
-def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seconds: float,
-           poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
+def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
+           lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, once: bool) -> None:
     """Run jobs: lease batches fairly, run them, settle every job."""
     from tenantq.dispatch.outcome import Backoff
     from tenantq.dispatch.worker import Worker, WorkerConfig
     from tenantq.fairness.drr import Mode
     from tenantq.registry import REGISTRY, load_app
+    from tenantq.sandbox.batch import SandboxExecutor
+    from tenantq.sandbox.driver import get_driver
+    from tenantq.sandbox.executor import BatchExecutor
     from tenantq.sandbox.inline import InlineExecutor
+    from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
+    from tenantq.settings import Settings
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if sandbox != "inline":
-        raise InvalidInput(f"sandbox driver {sandbox!r} is not available yet; use --sandbox inline")
+    secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
     load_app(app)
+    executor: BatchExecutor
+    if sandbox == "inline":
+        executor = InlineExecutor(REGISTRY)
+        logging.getLogger("tenantq.worker").warning(
+            "--sandbox inline: every kind runs inside this process; use it for trusted code only")
+    else:
+        driver, chosen = get_driver(sandbox, Settings().data_dir)
+        logging.getLogger("tenantq.worker").info("%s", chosen)
+        executor = SandboxExecutor(driver, REGISTRY, app)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                           poll_seconds=poll_seconds, once=once,
                           backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
@@ -233,7 +256,7 @@ def worker(app: str, sandbox: str, concurrency: int, batch_size: int, lease_seco
                           interactive_share=interactive_share)
     with _queue() as q:
         db_ = q.db
-    w = Worker(db_, InlineExecutor(REGISTRY), config)
+    w = Worker(db_, executor, config, secrets=secrets.for_tenant)
     _install_signal_handlers(w.stop)
     stats = w.run()
     click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)

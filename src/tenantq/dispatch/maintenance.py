@@ -8,6 +8,7 @@ lease period plus one reap interval.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from tenantq.store.queries import sql
 log = logging.getLogger("tenantq.maintenance")
 
 REPAIR_EVERY_SECONDS = 60.0
+SANDBOX_REAP_EVERY_SECONDS = 10.0
 PRUNE_EVERY_SECONDS = 3600.0
 KEEP_ENDED_BATCHES_SECONDS = 7 * 24 * 3600.0
 
@@ -65,6 +67,7 @@ class Maintenance(threading.Thread):
         stopping: threading.Event,
         on_reaped: Callable[[int], None] | None = None,
         on_interactive: Callable[[], None] | None = None,
+        reap_sandboxes: Callable[[], list[str]] | None = None,
     ) -> None:
         super().__init__(name="tenantq-maintenance", daemon=True)
         self.pool = pool
@@ -73,6 +76,8 @@ class Maintenance(threading.Thread):
         self.stopping = stopping
         self.on_reaped = on_reaped
         self.on_interactive = on_interactive
+        self.reap_sandboxes = reap_sandboxes
+        self._last_sandbox_reap = 0.0
         # heartbeat three times per lease so one missed beat loses nothing
         self.interval = max(0.05, lease_seconds / 3)
         self._last_repair = 0.0
@@ -105,6 +110,16 @@ class Maintenance(threading.Thread):
                 if self.on_reaped is not None:
                     self.on_reaped(len(reaped))
             now = time.monotonic()
+            due = now - self._last_sandbox_reap >= SANDBOX_REAP_EVERY_SECONDS
+            if self.reap_sandboxes is not None and due:
+                self._last_sandbox_reap = now
+                try:
+                    gone = self.reap_sandboxes()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    log.warning("sandbox reaper failed: %s", exc)
+                else:
+                    if gone:
+                        log.warning("reaped %d sandbox(es) past their TTL: %s", len(gone), gone)
             if now - self._last_repair >= REPAIR_EVERY_SECONDS:
                 self._last_repair = now
                 conn.execute(sql("queues", "repair"))

@@ -118,7 +118,8 @@ class Worker:
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
                                   stopping=self.stopping,
                                   on_reaped=lambda n: self.stats.add(reaped=n),
-                                  on_interactive=self.interactive_waiting.set)
+                                  on_interactive=self.interactive_waiting.set,
+                                  reap_sandboxes=_driver_reaper(self.executor))
         slots = [threading.Thread(target=self._slot, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
                  for i in range(cfg.concurrency)]
         try:
@@ -316,3 +317,10 @@ class BatchRun:
             dead=sum(s.status == "dead" for s in settlements),
             released=len(release),
         )
+
+
+def _driver_reaper(executor: BatchExecutor) -> Callable[[], list[str]] | None:
+    """A sandboxed executor's driver reaps sandboxes past their TTL."""
+    driver = getattr(executor, "driver", None)
+    reap = getattr(driver, "reap", None)
+    return reap if callable(reap) else None

@@ -83,7 +83,7 @@ def main(work_dir: str) -> int:
             sys.path.insert(0, entry)
     stop_file = os.path.join(work_dir, "stop")
     signal.signal(signal.SIGALRM, _on_alarm)
-    out = open(os.path.join(work_dir, "results.jsonl"), "a")
+    out = open(os.path.join(work_dir, "results.jsonl"), "a")  # noqa: SIM115 (closed at the end; kept open)
     try:
         import tenantq
         from tenantq.registry import REGISTRY, JobContext

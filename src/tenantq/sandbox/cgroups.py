@@ -58,7 +58,8 @@ class CgroupBox:
             path.mkdir(parents=True, exist_ok=True)
         if memory_mb is not None:
             self.memory_limit = memory_mb * 1024 * 1024
-            self._write("memory", "memory.limit_in_bytes" if self.v1 else "memory.max", str(self.memory_limit))
+            limit_file = "memory.limit_in_bytes" if self.v1 else "memory.max"
+            self._write("memory", limit_file, str(self.memory_limit))
             if self.v1:
                 with contextlib.suppress(OSError):
                     self._write("memory", "memory.memsw.limit_in_bytes", str(self.memory_limit))
@@ -93,7 +94,8 @@ class CgroupBox:
                 peak = int(self._read("memory", "memory.max_usage_in_bytes"))
                 return bool(limit) and peak >= limit - 64 * 1024
             events = self._read("memory", "memory.events")
-            return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0 for line in events.splitlines())
+            return any(line.startswith("oom_kill ") and int(line.split()[1]) > 0
+                       for line in events.splitlines())
         except (OSError, ValueError):
             return False
 

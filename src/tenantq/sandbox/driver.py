@@ -33,6 +33,10 @@ class Sandbox(Protocol):
         """Run a command inside; `stdin` is how secrets get in without touching disk."""
         ...
 
+    def kill(self) -> None:
+        """Kill whatever runs in the sandbox now (its run() then returns)."""
+        ...
+
     def destroy(self) -> None:
         """Remove everything the sandbox left on the host. Idempotent."""
         ...
@@ -81,12 +85,14 @@ def get_driver(name: str, data_dir: Path) -> tuple[SandboxDriver, str]:
         if runsc_works():
             return GVisorDriver(data_dir), "sandbox auto: chose gvisor (runsc works here)"
         if bwrap_works():
-            return ProcessDriver(data_dir), "sandbox auto: chose process (runsc is not available; bubblewrap is)"
+            return ProcessDriver(data_dir), (
+                "sandbox auto: chose process (runsc is not available; bubblewrap is)")
         raise InvalidInput("sandbox auto: neither runsc nor bubblewrap works here; install one, "
                            "or use --sandbox inline for trusted code only")
     if name == "gvisor":
         if not runsc_works():
-            raise InvalidInput("sandbox gvisor: runsc is not installed or does not work (apt-get install runsc)")
+            raise InvalidInput(
+                "sandbox gvisor: runsc is not installed or does not work (apt-get install runsc)")
         return GVisorDriver(data_dir), "sandbox gvisor"
     if name == "process":
         if not bwrap_works():

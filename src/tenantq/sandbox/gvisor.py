@@ -180,6 +180,12 @@ class GVisorSandbox(HostSandbox):
             end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
         return ExecResult(exit_code=returncode, stdout=tail(stdout), stderr=tail(stderr), end=end)
 
+    def kill(self) -> None:
+        cid = self._running
+        if cid is not None:
+            self._kill(cid)
+            self._dirty.append(cid)
+
     def _kill(self, cid: str) -> None:
         subprocess.run(self.driver.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
 

@@ -75,7 +75,7 @@ def guest_python(app_module: str | None) -> GuestPython:
         spec = importlib.util.find_spec(top)
         if spec is not None and spec.origin not in (None, "built-in", "frozen"):
             if spec.submodule_search_locations:  # a package: mount its directory
-                location = os.path.realpath(list(spec.submodule_search_locations)[0])
+                location = os.path.realpath(next(iter(spec.submodule_search_locations)))
             else:  # a single-file module: mount only that file
                 location = os.path.realpath(spec.origin or "")
             add(location)

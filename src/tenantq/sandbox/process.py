@@ -120,6 +120,11 @@ class ProcessSandbox(HostSandbox):
         return ExecResult(exit_code=returncode, stdout=tail(out_path.read_bytes()),
                           stderr=tail(err_path.read_bytes()), end=end)
 
+    def kill(self) -> None:
+        self.box.kill_all()
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
     def destroy(self) -> None:
         if self.destroyed:
             return
