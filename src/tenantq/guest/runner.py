@@ -95,6 +95,7 @@ def main(work_dir: str) -> int:
                     + _describe(exc)})
         return 3
     baseline = _address_space()
+    runner_pid = os.getpid()
     for job in batch["jobs"]:
         if os.path.exists(stop_file):  # the host asked us to stop between jobs
             break
@@ -130,6 +131,10 @@ def main(work_dir: str) -> int:
             record = {"id": job["id"], "status": "error", "reason": "exception", "error": _describe(exc)}
         except BaseException as exc:
             record = {"id": job["id"], "status": "error", "reason": "exception", "error": _describe(exc)}
+        if os.getpid() != runner_pid:
+            # a process the handler forked got here (a fork bomb's child whose
+            # fork failed): it must never report or run the next job
+            os._exit(1)
         record["seconds"] = time.monotonic() - started
         _emit(out, record)
     out.close()

@@ -147,6 +147,7 @@ class ResultTail:
         self.running: int | None = None
         self.fatal: str | None = None
         self.started: set[int] = set()
+        self.ended: set[int] = set()
         self.running_since: float = 0.0
 
     def poll(self) -> None:
@@ -170,11 +171,16 @@ class ResultTail:
             return
         job_id = int(str(record["id"]))
         if status == "started":
+            if job_id in self.started or job_id not in self.job_ids:
+                return
             self.running = job_id
             self.started.add(job_id)
             self.running_since = time.monotonic()
             self.report(JobStarted(job_id))
             return
+        if job_id in self.ended or job_id not in self.job_ids:
+            return  # never settle a job twice, nor one of another batch
+        self.ended.add(job_id)
         self.running = None
         seconds = float(str(record.get("seconds", 0.0)))
         if status == "ok":

@@ -110,7 +110,9 @@ class GVisorSandbox(HostSandbox):
             {"destination": GUEST_WORK_DIR, "type": "bind", "source": str(self.work_dir),
              "options": ["rbind", "rw"]},
         ]
-        nproc = max(16, (spec.max_pids - 64) // 8)
+        # each guest process costs the sandbox ~6 host tasks (sentry, stubs):
+        # stay well under the pids backstop, whose hit panics the sentry
+        nproc = max(16, (spec.max_pids - 64) // 16)
         return {
             "ociVersion": "1.0.0",
             "process": {

@@ -55,6 +55,8 @@ class End:
             return f"killed by signal {self.signal} ({name})"
         if self.kind == "exit":
             return f"crashed: exit code {self.exit_code}" + (f" ({self.detail})" if self.detail else "")
+        if self.kind == "timeout":
+            return f"timeout {self.detail}".strip()
         return f"{self.kind}: {self.detail}" if self.detail else self.kind
 
 
