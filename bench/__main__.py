@@ -6,17 +6,19 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import fairness, scaling, throughput
+from bench import fairness, sandbox, scaling, throughput
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
     "scaling": scaling.run,
     "fairness": fairness.run,
+    "sandbox": sandbox.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1},
     "scaling": {"picks": 5, "max_pending": 1_000},
     "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300},
+    "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},
 }
 
 
