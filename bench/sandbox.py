@@ -13,7 +13,6 @@ from __future__ import annotations
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -127,7 +126,8 @@ def run(*, n: int = 30, jobs_per_size: dict[int, int] | None = None) -> dict[str
         floor = statistics.median(raw[floor_of[name]]) if floor_of[name] in raw else float("nan")
         for part, samples in parts.items():
             ratio = f"{statistics.median(samples) / floor:.2f}x" if part == "total" else ""
-            table.add_row(f"tenantq {name}: {part.replace('_', ' ')}", f"{statistics.median(samples) * 1000:.0f}",
+            label = f"tenantq {name}: {part.replace('_', ' ')}"
+            table.add_row(label, f"{statistics.median(samples) * 1000:.0f}",
                           f"{_pct(samples, 0.99) * 1000:.0f}", ratio)
     console.print(table)
     throughput: dict[str, dict[int, float]] = {}
