@@ -1,6 +1,6 @@
 """The guest runner: runs one batch inside a sandbox. Stdlib only.
 
-    python runner.py WORK_DIR            (secrets arrive as one JSON line on stdin)
+    python runner.py WORK_DIR [--ttl SECONDS]   (secrets: one JSON line on stdin)
 
 Reads WORK_DIR/batch.json, imports the app (which registers handlers with
 `@tenantq.handler`), runs the jobs one by one and appends one flushed JSON
@@ -69,7 +69,25 @@ def _limit_memory(memory_mb: int, baseline: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
 
 
-def main(work_dir: str) -> int:
+def _start_ttl_watchdog(seconds: float) -> None:
+    """The runner is the sandbox's init: when it exits, the sandbox ends. A
+    daemon thread ends it at the deadline even if the dispatcher is gone and
+    a job ignores every signal (the reaper is the backstop for a job that
+    starves this thread)."""
+    import threading
+
+    exit_now = os._exit  # bound before any tenant code runs
+
+    def expire() -> None:
+        time.sleep(seconds)
+        exit_now(137)
+
+    threading.Thread(target=expire, name="ttl", daemon=True).start()
+
+
+def main(work_dir: str, ttl_seconds: float | None = None) -> int:
+    if ttl_seconds:
+        _start_ttl_watchdog(ttl_seconds)
     # The tenant's secrets: one JSON line on stdin, never a file on disk.
     secrets_line = sys.stdin.readline()
     secrets = {str(k): str(v) for k, v in json.loads(secrets_line).items()} if secrets_line.strip() else {}
@@ -142,4 +160,6 @@ def main(work_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    # runner.py WORK_DIR [--ttl SECONDS]
+    ttl = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[2] == "--ttl" else None
+    sys.exit(main(sys.argv[1], ttl))

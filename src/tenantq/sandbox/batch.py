@@ -106,8 +106,9 @@ class SandboxExecutor:
 
             def start() -> None:
                 outcome["result"] = sandbox.run(
-                    [self.guest.executable, "-I", self.runner_path, GUEST_WORK_DIR],
-                    timeout=budget, stdin=(json.dumps(dict(env)) + "\n").encode())
+                    [self.guest.executable, "-I", self.runner_path, GUEST_WORK_DIR,
+                     "--ttl", f"{spec.ttl_seconds:.0f}"],
+                    timeout=budget, stdin=(json.dumps(dict(env)) + "\n").encode(), self_limiting=True)
 
             runner = threading.Thread(target=start, name=f"sandbox-{sandbox.id}", daemon=True)
             runner.start()

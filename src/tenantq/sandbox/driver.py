@@ -29,8 +29,14 @@ class Sandbox(Protocol):
     def get_file(self, name: str) -> bytes: ...
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None) -> ExecResult:
-        """Run a command inside; `stdin` is how secrets get in without touching disk."""
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+        """Run a command inside; `stdin` is how secrets get in without touching disk.
+
+        The command runs as the sandbox's init under `timeout -s KILL <ttl>`,
+        so it dies at the sandbox's deadline even if the dispatcher is gone;
+        `self_limiting=True` skips that wrapper (one process start less) for
+        a command that enforces the deadline itself (the guest runner's --ttl).
+        """
         ...
 
     def kill(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs, read_meta
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs, owner_alive, read_meta, wait_exit
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
 from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, classify_exit, tail
 
@@ -71,7 +71,10 @@ class GVisorDriver:
             cid, status, bundle = str(c.get("id")), str(c.get("status")), Path(str(c.get("bundle", "")))
             meta = read_meta(bundle)
             expired = meta is None or float(str(meta["deadline"])) < _now()
-            if status == "stopped" or expired:
+            # a stopped container whose dispatcher still runs is being
+            # cleaned up by its own `runsc run`; leave it alone
+            orphaned = status == "stopped" and not owner_alive(meta)
+            if expired or orphaned:
                 subprocess.run(self.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
                 subprocess.run(self.runsc_cmd("delete", "--force", cid), capture_output=True, timeout=30)
                 removed.append(cid)
@@ -97,9 +100,12 @@ class GVisorSandbox(HostSandbox):
         # containers whose `runsc run` we killed: their state needs a delete
         self._dirty: list[str] = []
 
-    def _config(self, cid: str, argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    def _config(
+        self, cid: str, argv: list[str], env: dict[str, str], *, self_limiting: bool
+    ) -> dict[str, Any]:
         spec = self.spec
         ttl = max(1, int(self.remaining_ttl()))
+        init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
         mounts: list[dict[str, Any]] = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
@@ -118,7 +124,7 @@ class GVisorSandbox(HostSandbox):
             "process": {
                 "terminal": False,
                 "user": {"uid": GUEST_UID, "gid": GUEST_GID},
-                "args": ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv],
+                "args": init,
                 "env": [f"{k}={v}" for k, v in {**BASE_ENV, **env}.items()],
                 "cwd": GUEST_WORK_DIR,
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024},
@@ -143,12 +149,13 @@ class GVisorSandbox(HostSandbox):
         }
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None) -> ExecResult:
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
         self.runs += 1
         cid = f"{self.id}-{self.runs}"
-        (self.path / "config.json").write_text(json.dumps(self._config(cid, argv, env or {})))
+        config = self._config(cid, argv, env or {}, self_limiting=self_limiting)
+        (self.path / "config.json").write_text(json.dumps(config))
         out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
         # runsc hands its stdio to the container: regular files in append
         # mode, never pipes we would have to drain (see notes/gvisor.md)
@@ -164,13 +171,14 @@ class GVisorSandbox(HostSandbox):
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.close()
             budget = min(timeout, self.remaining_ttl())
-            try:
-                returncode = proc.wait(timeout=budget)
-            except subprocess.TimeoutExpired:
+            status = wait_exit(proc, budget)
+            if status is None:
                 self._kill(cid)
                 self._dirty.append(cid)
                 returncode = proc.wait(timeout=30)
                 end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
+            else:
+                returncode = status
         finally:
             self._running = None
         if end is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import subprocess
 import time
@@ -67,6 +68,19 @@ def read_meta(path: Path) -> dict[str, object] | None:
         return None
 
 
+def owner_alive(meta: dict[str, object] | None) -> bool:
+    """Is the dispatcher that created this sandbox still running (on this host)?"""
+    if not meta:
+        return False
+    try:
+        os.kill(int(str(meta["dispatcher_pid"])), 0)
+    except (KeyError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def expired_dirs(base: Path, *, grace: float = 5.0) -> list[Path]:
     """Sandbox dirs whose TTL (plus grace) has passed, or that lost their
     metadata (a crash between mkdir and writing it)."""
@@ -82,3 +96,27 @@ def expired_dirs(base: Path, *, grace: float = 5.0) -> list[Path]:
         if now > deadline + grace:
             out.append(path)
     return out
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """The process's exit status, or None if it still runs after `timeout`.
+
+    Popen.wait(timeout) polls with sleeps of up to 50 ms, which would add
+    tens of milliseconds to every batch; a pidfd wakes us the moment the
+    process exits.
+    """
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # old kernel, or the process is gone
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(max(0.0, timeout) * 1000):
+            return None
+    finally:
+        os.close(fd)
+    return proc.wait()

@@ -19,7 +19,7 @@ from pathlib import Path
 from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs, wait_exit
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
 
@@ -69,7 +69,7 @@ class ProcessSandbox(HostSandbox):
         self.skeleton = skeleton
         self.runs = 0
 
-    def _argv(self, argv: list[str], env: dict[str, str]) -> list[str]:
+    def _argv(self, argv: list[str], env: dict[str, str], *, self_limiting: bool) -> list[str]:
         spec = self.spec
         ttl = max(1, int(self.remaining_ttl()))
         args = [self.driver.bwrap, "--die-with-parent", "--new-session", "--unshare-all",
@@ -84,17 +84,18 @@ class ProcessSandbox(HostSandbox):
         args += ["--bind", str(self.work_dir), GUEST_WORK_DIR, "--chdir", GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
-        return [*args, "--", "/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
+        init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
+        return [*args, "--", *init]
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None) -> ExecResult:
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
         self.runs += 1
         out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
         procs = ":".join(str(p) for p in self.box.procs_files()) if cgroups.available() else ""
-        command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *self._argv(argv, env or {})] if procs \
-            else self._argv(argv, env or {})
+        sandboxed = self._argv(argv, env or {}, self_limiting=self_limiting)
+        command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *sandboxed] if procs else sandboxed
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
             proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     env={"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"})
@@ -106,13 +107,14 @@ class ProcessSandbox(HostSandbox):
         with contextlib.suppress(BrokenPipeError):
             proc.stdin.close()
         budget = min(timeout, self.remaining_ttl())
-        try:
-            returncode = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
+        status = wait_exit(proc, budget)
+        if status is None:
             self.box.kill_all()
             proc.kill()
             returncode = proc.wait(timeout=30)
             end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
+        else:
+            returncode = status
         if end is None:
             end = classify_exit(returncode)
             if end.kind == "signal" and end.signal == 9 and self.box.oom_killed():

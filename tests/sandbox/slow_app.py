@@ -1,0 +1,19 @@
+"""A handler that runs for a few seconds, for killing a dispatcher while its
+sandboxes run (test_kill_dispatcher). The short timeout keeps the sandbox's
+TTL (sum of timeouts + 15 s start-up + 30 s) small."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import tenantq
+
+SLOW_TIMEOUT = 5
+
+
+@tenantq.handler("slow.sleep", timeout=SLOW_TIMEOUT, memory_mb=64)
+def sleep(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
+    time.sleep(float(payload["seconds"]))
+    return {"slept": payload["seconds"], "attempt": ctx.attempt, "pid": os.getpid()}
