@@ -106,7 +106,7 @@ class SandboxExecutor:
 
             def start() -> None:
                 outcome["result"] = sandbox.run(
-                    [self.guest.executable, "-I", self.runner_path, GUEST_WORK_DIR,
+                    [self.guest.executable, "-I", "-S", self.runner_path, GUEST_WORK_DIR,
                      "--ttl", f"{spec.ttl_seconds:.0f}"],
                     timeout=budget, stdin=(json.dumps(dict(env)) + "\n").encode(), self_limiting=True)
 
