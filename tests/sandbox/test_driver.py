@@ -145,21 +145,41 @@ def test_destroy_leaves_no_cgroup_in_any_hierarchy(make_sandbox: SandboxFactory,
     assert left == [], f"destroy left cgroups behind: {[str(p) for p in left]}"
 
 
+def test_destroy_right_after_a_run_removes_its_cgroups(make_sandbox: SandboxFactory, python: str) -> None:
+    """The guest's last processes may still be exiting when run() returns:
+    destroy must not leave their cgroups behind (repeated: it is a race)."""
+    leaked: list[str] = []
+    for _ in range(8):
+        sandbox = make_sandbox()
+        assert sandbox.run([python, "-c", "open('f', 'w').write('x')"], timeout=60).end.ok
+        sandbox.destroy()
+        leaked += [str(p) for p in CgroupBox(sandbox.id).paths.values() if p.exists()]
+    assert leaked == [], f"destroy left cgroups behind: {leaked}"
+
+
 def test_destroy_while_running_kills_the_command(make_sandbox: SandboxFactory, python: str,
                                                  data_dir: Path) -> None:
     sandbox = make_sandbox()
     results: list[ExecResult] = []
-    runner = threading.Thread(
-        target=lambda: results.append(sandbox.run(
-            [python, "-c", "import time; open('up', 'w').write('1'); time.sleep(60)"], timeout=60)))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(sandbox.run(
+                [python, "-c", "import time; open('up', 'w').write('1'); time.sleep(60)"], timeout=60))
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
     runner.start()
     wait_until(lambda: (sandbox.work_dir / "up").exists(), timeout=30, message="the command to start")
     sandbox.destroy()
     runner.join(timeout=30)
     assert not runner.is_alive(), "run() did not return after destroy()"
-    assert results and not results[0].end.ok, results
     assert not sandbox.work_dir.parent.exists()
     assert runsc_containers(data_dir) == []
+    assert errors == [], f"run() raised instead of returning a killed result: {errors!r}"
+    assert results and not results[0].end.ok, results
 
 
 def _fail_after(original: object) -> object:

@@ -1,12 +1,15 @@
 """`python -m tenantq.demo` (the README's first command).
 
-Enqueues a whale's bulk import next to small tenants' interactive reports,
-a flaky webhook and poison jobs, drains them with a worker while showing
-progress, and prints what each tenant experienced.
+A whale's bulk import next to small tenants' interactive reports, a flaky
+webhook, poison jobs (OOM, segfault, infinite loop, a parse error) and a
+tenant-supplied transform, drained by a sandboxed worker (gVisor where runsc
+works, else bubblewrap) with a live progress view; then what each tenant
+experienced.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -23,11 +26,14 @@ from tenantq import JobSpec, Queue
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY, load_app
-from tenantq.sandbox.inline import InlineExecutor
+from tenantq.sandbox.batch import SandboxExecutor
+from tenantq.sandbox.driver import get_driver
+from tenantq.settings import Settings
 from tenantq.store.db import Database
 
 console = Console()
 SMALL_TENANTS = ["acme", "globex", "initech", "umbrella", "hooli"]
+TRANSFORM = "def transform(rows):\n    return {'total': sum(r['amount'] for r in rows), 'rows': len(rows)}\n"
 
 
 def _reset_schema(db: Database) -> None:
@@ -47,62 +53,75 @@ def _enqueue(q: Queue, whale_jobs: int, small_jobs: int) -> int:
         small += [JobSpec(tenant, "demo.render_report", {"month": m % 12 + 1}, priority="interactive")
                   for m in range(small_jobs)]
         small.append(JobSpec(tenant, "demo.flaky_webhook", {"event": "invoice.paid"}))
-    small += [JobSpec("mallory", "demo.poison", {"invoice": f"INV-{i}"}, max_attempts=3)
-              for i in range(3)]
+        small.append(JobSpec(tenant, "demo.audit_log", {"event": "report.viewed"}))
+    small.append(JobSpec("initech", "tenantq.python", {"source": TRANSFORM,
+                                                        "input": [{"amount": 120}, {"amount": 80}]}))
+    poison = ("demo.resize_image", "demo.native_codec", "demo.sync_forever", "demo.parse_invoice")
+    small += [JobSpec("mallory", kind, {"invoice": "INV-7"}, max_attempts=2) for kind in poison]
     q.enqueue_many(small)
     return len(specs) + len(small)
 
 
-def _summary(db: Database) -> list[dict[str, Any]]:
+def _rows(db: Database) -> list[dict[str, Any]]:
     with db.connect() as conn:
         return conn.execute(
-            """SELECT tenant_id, status, kind, last_error,
-                      extract(epoch FROM started_at - created_at) AS wait
+            """SELECT tenant_id, status, kind, last_error, result,
+                      extract(epoch FROM started_at - created_at) AS wait,
+                      extract(epoch FROM finished_at - created_at) AS latency
                FROM jobs ORDER BY tenant_id, id"""
         ).fetchall()
 
 
 @click.command()
 @click.option("--whale-jobs", default=3000, show_default=True)
-@click.option("--small-jobs", default=20, show_default=True, help="Interactive jobs per small tenant.")
+@click.option("--small-jobs", default=10, show_default=True, help="Interactive reports per small tenant.")
 @click.option("--concurrency", default=4, show_default=True)
+@click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process"]), default="auto",
+              show_default=True)
 @click.option("--schema", default="tenantq_demo", show_default=True,
               help="Schema the demo (re)creates; your own tenantq schema is untouched.")
-def main(whale_jobs: int, small_jobs: int, concurrency: int, schema: str) -> None:
+def main(whale_jobs: int, small_jobs: int, concurrency: int, sandbox: str, schema: str) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     db = Database.resolve(schema=schema)
     console.print(f"[bold]tenantq demo[/] on {db.dsn.split('@')[-1]} (schema {schema})")
+    driver, chosen = get_driver(sandbox, Settings().data_dir)
+    console.print(chosen)
     _reset_schema(db)
     q = Queue(db.dsn, schema=schema)
     q.migrate()
+    q.set_tenant("whale", max_sandboxes=2)
     load_app("tenantq.demo.handlers")
     t0 = time.perf_counter()
     total = _enqueue(q, whale_jobs, small_jobs)
-    console.print(f"enqueued {total} jobs in {time.perf_counter() - t0:.2f}s "
-                  f"(whale: {whale_jobs} bulk rows; {len(SMALL_TENANTS)} small tenants: "
-                  f"{small_jobs} interactive reports each; mallory: 3 poison jobs)")
-    worker = Worker(db, InlineExecutor(REGISTRY), WorkerConfig(
-        concurrency=concurrency, batch_size=25, once=False, poll_seconds=0.2,
-        backoff=Backoff(base_seconds=0.2, cap_seconds=1.0)))
+    console.print(f"enqueued {total} jobs in {time.perf_counter() - t0:.2f}s: whale {whale_jobs} bulk rows "
+                  f"(capped at 2 sandboxes); {len(SMALL_TENANTS)} small tenants with {small_jobs} "
+                  "interactive reports, a flaky webhook and an inline audit log each; initech's own "
+                  "transform; mallory's 4 poison jobs (OOM, segfault, infinite loop, parse error)")
+    secrets = {t: {"API_KEY": f"{t}-key-{i}"} for i, t in enumerate([*SMALL_TENANTS, "whale", "mallory"])}
+    executor = SandboxExecutor(driver, REGISTRY, "tenantq.demo.handlers")
+    worker = Worker(db, executor, WorkerConfig(
+        concurrency=concurrency, batch_size=100, poll_seconds=0.2,
+        backoff=Backoff(base_seconds=0.2, cap_seconds=1.0)), secrets=lambda t: secrets.get(t, {}))
     runner = threading.Thread(target=worker.run, daemon=True)
     t0 = time.perf_counter()
     runner.start()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("draining", total=total)
+        task = progress.add_task(f"draining in {executor.name} sandboxes", total=total)
         while True:
-            rows = q.status()
-            finished = sum(int(r["done"]) + int(r["dead"]) for r in rows)
+            finished = sum(int(r["done"]) + int(r["dead"]) for r in q.status())
             progress.update(task, completed=finished)
             if finished >= total:
                 break
-            runner.join(timeout=0.2)
+            runner.join(timeout=0.25)
     elapsed = time.perf_counter() - t0
     worker.stop()
     runner.join()
-    _print_summary(_summary(db), elapsed, whale_jobs)
+    _print_summary(_rows(db), elapsed, whale_jobs)
     q.close()
     console.print(f"\nLook around: [bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq status[/] · "
-                  "[bold]tenantq dead list[/] · [bold]tenantq job ID[/]")
+                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dead list[/] · "
+                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq job ID[/]")
 
 
 def _print_summary(rows: list[dict[str, Any]], elapsed: float, whale_jobs: int) -> None:
@@ -119,13 +138,22 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, whale_jobs: int) 
                       f"{statistics.median(waits):.2f}s" if waits else "-",
                       f"{max(waits):.2f}s" if waits else "-")
     console.print(table)
-    console.print(f"drained {len(rows)} jobs in {elapsed:.1f}s "
-                  f"({len(rows) / elapsed:,.0f} jobs/s; whale: {whale_jobs} rows)")
+    whale = [r for r in rows if r["tenant_id"] == "whale" and r["latency"] is not None]
+    span = max(float(r["latency"]) for r in whale) if whale else elapsed
+    console.print(f"drained {len(rows)} jobs in {elapsed:.1f}s; the whale's {whale_jobs} rows ran at "
+                  f"{whale_jobs / span:,.0f} rows/s while the small tenants were served first")
+    reports = [r["result"] for r in rows if r["kind"] == "demo.render_report" and r["result"]]
+    own = sum(bool(r.get("api_key_is_mine")) and r.get("secrets_seen") == ["API_KEY"] for r in reports)
+    console.print(f"secrets: {own} of {len(reports)} reports saw exactly one secret, their own tenant's")
+    transform = next((r for r in rows if r["kind"] == "tenantq.python"), None)
+    if transform is not None:
+        console.print(f"initech's own transform ran sandboxed: {transform['status']}, "
+                      f"result {transform['result']}")
     dead = [r for r in rows if r["status"] == "dead"]
     if dead:
         console.print(f"[bold]{len(dead)} poison job(s) contained in the dead-letter list:[/]")
         for r in dead:
-            console.print(f"  {r['tenant_id']} {r['kind']}: {str(r['last_error']).splitlines()[0]}")
+            console.print(f"  {r['tenant_id']} {r['kind']}: {str(r['last_error']).splitlines()[0][:90]}")
 
 
 if __name__ == "__main__":

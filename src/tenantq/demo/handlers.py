@@ -1,16 +1,19 @@
 """Handlers of the demo app: small real workloads (hashing, JSON), a flaky
-one and a poison one."""
+one, poison ones (OOM, segfault, infinite loop) and a trusted inline one.
+Everything but `demo.audit_log` runs sandboxed."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import os
 from typing import Any
 
 import tenantq
 
 
-@tenantq.handler("demo.import_row", isolation="inline")
+@tenantq.handler("demo.import_row", timeout=10, memory_mb=128)
 def import_row(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
     """A bulk-import row: normalise and fingerprint it."""
     row = {k.lower(): str(v).strip() for k, v in payload.items()}
@@ -18,16 +21,18 @@ def import_row(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, An
     return {"fingerprint": digest[:16]}
 
 
-@tenantq.handler("demo.render_report", isolation="inline")
+@tenantq.handler("demo.render_report", timeout=10, memory_mb=128)
 def render_report(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
-    """An interactive report: a few thousand rounds of hashing (~ms of CPU)."""
+    """An interactive report: a few thousand rounds of hashing (~ms of CPU).
+    It also says which secrets it could see: only its own tenant's."""
     h = hashlib.sha256(f"{ctx.tenant}:{payload.get('month')}".encode())
     for _ in range(int(payload.get("rounds", 2000))):
         h = hashlib.sha256(h.digest())
-    return {"pages": 3, "checksum": h.hexdigest()[:12]}
+    return {"pages": 3, "checksum": h.hexdigest()[:12], "secrets_seen": sorted(ctx.env),
+            "api_key_is_mine": ctx.env.get("API_KEY", "").startswith(f"{ctx.tenant}-")}
 
 
-@tenantq.handler("demo.flaky_webhook", isolation="inline")
+@tenantq.handler("demo.flaky_webhook", timeout=10, memory_mb=128)
 def flaky_webhook(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
     """Fails on its first attempt, then succeeds: a retry with backoff."""
     if ctx.attempt < 2:
@@ -35,7 +40,32 @@ def flaky_webhook(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str,
     return {"delivered_on_attempt": ctx.attempt}
 
 
-@tenantq.handler("demo.poison", isolation="inline")
-def poison(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
+@tenantq.handler("demo.parse_invoice", timeout=10, memory_mb=128)
+def parse_invoice(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
     """Always fails: ends in the dead-letter list after its attempts."""
     raise ValueError(f"cannot parse invoice {payload.get('invoice')!r}")
+
+
+@tenantq.handler("demo.resize_image", timeout=10, memory_mb=128)
+def resize_image(payload: dict[str, Any], ctx: tenantq.JobContext) -> int:
+    """Poison: asks for far more memory than its 128 MiB."""
+    return len(bytearray(1024 * 1024 * 1024))
+
+
+@tenantq.handler("demo.native_codec", timeout=10, memory_mb=128)
+def native_codec(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
+    """Poison: a native extension that segfaults."""
+    ctypes.string_at(0)
+
+
+@tenantq.handler("demo.sync_forever", timeout=2, memory_mb=128)
+def sync_forever(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
+    """Poison: never returns."""
+    while True:
+        pass
+
+
+@tenantq.handler("demo.audit_log", isolation="inline")
+def audit_log(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
+    """Trusted first-party code: runs in the worker process (the shared-fleet path)."""
+    return {"logged": payload.get("event"), "worker_pid": os.getpid()}
