@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 ROOT = Path("/sys/fs/cgroup")
@@ -100,17 +101,33 @@ class CgroupBox:
             return False
 
     def kill_all(self) -> None:
-        for procs in self.procs_files():
+        for procs in [p / "cgroup.procs" for p in self.all_paths()]:
             with contextlib.suppress(OSError, ValueError):
                 for pid in procs.read_text().split():
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(int(pid), signal.SIGKILL)
 
-    def remove(self) -> None:
-        """Remove the box (and any child runsc left behind). Idempotent."""
+    def all_paths(self) -> list[Path]:
+        """The box in every hierarchy: runsc creates its cgroupsPath in all
+        v1 controllers (blkio, cpuset, freezer, ...), not only ours."""
+        if not self.v1:
+            return list(self.paths.values())
+        boxes = [h / PARENT / self.sandbox_id for h in ROOT.iterdir()]
+        return [box for box in boxes if box.is_dir()]
+
+    def remove(self, *, wait_seconds: float = 2.0) -> None:
+        """Remove the box (and any child runsc left behind). Idempotent.
+
+        Killed tasks leave a cgroup only once they are reaped, so rmdir is
+        retried briefly instead of leaving an empty box behind."""
         self.kill_all()
-        for path in self.paths.values():
-            _rmtree_cgroup(path)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            left = [p for p in self.all_paths() if not _rmtree_cgroup(p)]
+            if not left or time.monotonic() >= deadline:
+                return
+            self.kill_all()
+            time.sleep(0.01)
 
     def _controller_path(self, controller: str) -> Path:
         return self.paths[controller] if self.v1 else self.paths["unified"]
@@ -122,15 +139,19 @@ class CgroupBox:
         return (self._controller_path(controller) / name).read_text()
 
 
-def _rmtree_cgroup(path: Path) -> None:
-    """cgroup dirs can only be removed bottom-up with rmdir (no files inside)."""
+def _rmtree_cgroup(path: Path) -> bool:
+    """cgroup dirs can only be removed bottom-up with rmdir (no files
+    inside); True when the path is gone."""
     if not path.is_dir():
-        return
+        return True
     for child in path.iterdir():
         if child.is_dir():
             _rmtree_cgroup(child)
-    with contextlib.suppress(OSError):
+    try:
         path.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 def stale_boxes() -> list[str]:

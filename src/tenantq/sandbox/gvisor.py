@@ -23,7 +23,7 @@ from typing import Any
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.hostside import HostSandbox, expired_dirs, owner_alive, read_meta, wait_exit
-from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
+from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
 from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, classify_exit, tail
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -44,6 +44,7 @@ class GVisorDriver:
         return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none", *args]
 
     def create(self, spec: SandboxSpec) -> GVisorSandbox:
+        check_mounts(spec.mounts)
         sandbox_id, path = new_sandbox_dir(self.data_dir, self.name, guest_owns_work=True)
         try:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from tenantq.errors import InvalidInput
 from tenantq.sandbox.spec import Mount
 
 GUEST_UID = 65534
@@ -81,6 +82,15 @@ def guest_python(app_module: str | None) -> GuestPython:
             add(location)
             sys_path.append(os.path.dirname(location))
     return GuestPython(executable, tuple(mounts), tuple(sys_path), tuple(site_dirs))
+
+
+def check_mounts(mounts: tuple[Mount, ...]) -> None:
+    """Refuse a spec whose mount sources are missing, before anything is made."""
+    for m in mounts:
+        if not os.path.exists(m.source):
+            raise InvalidInput(f"sandbox mount source {m.source} does not exist")
+        if not os.path.isabs(m.target):
+            raise InvalidInput(f"sandbox mount target {m.target!r} must be an absolute path")
 
 
 def build_skeleton(base_dir: Path, mounts: tuple[Mount, ...]) -> Path:

@@ -20,7 +20,7 @@ from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.hostside import HostSandbox, expired_dirs, wait_exit
-from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, new_sandbox_dir
+from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -40,6 +40,7 @@ class ProcessDriver:
         self.base = data_dir / "sandboxes" / self.name
 
     def create(self, spec: SandboxSpec) -> ProcessSandbox:
+        check_mounts(spec.mounts)
         sandbox_id, path = new_sandbox_dir(self.data_dir, self.name, guest_owns_work=False)
         try:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
