@@ -82,3 +82,8 @@ def track(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
         time.sleep(float(payload.get("sleep", 0.01)))
     finally:
         bump(-1)
+
+
+@tenantq.handler("demo.sleep", isolation="inline")
+def sleep(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
+    time.sleep(float(payload.get("seconds", 0.05)))
