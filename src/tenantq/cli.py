@@ -220,14 +220,25 @@ def db_stop() -> None:
               help="With --fair-by runtime: credit per turn and unit of weight.")
 @click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
               help="Share of slots reserved for interactive work (lent out when unused).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve Prometheus /metrics on 127.0.0.1:PORT.")
+@click.option("--on-dead", default=None, help="Command run with each dead job as JSON on stdin.")
+@click.option("--on-dead-url", default=None, help="URL each dead job is POSTed to as JSON.")
+@click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
+              help="Default: text with a live progress line on a terminal, JSON lines otherwise.")
 @click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
-           quantum_seconds: float, interactive_share: float, once: bool) -> None:
+           quantum_seconds: float, interactive_share: float, metrics_port: int | None,
+           on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool) -> None:
     """Run jobs: lease batches fairly, run them, settle every job."""
     from tenantq.dispatch.outcome import Backoff
     from tenantq.dispatch.worker import Worker, WorkerConfig
     from tenantq.fairness.drr import Mode
+    from tenantq.observe.alerts import DeadLetterAlerts
+    from tenantq.observe.logs import ProgressLine
+    from tenantq.observe.logs import configure as configure_logs
+    from tenantq.observe.metrics import serve_worker_metrics
     from tenantq.registry import REGISTRY, load_app
     from tenantq.sandbox.batch import SandboxExecutor
     from tenantq.sandbox.driver import get_driver
@@ -236,8 +247,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
     from tenantq.settings import Settings
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    chosen_format = configure_logs(log_format)
     secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
     load_app(app)
     executor: BatchExecutor
@@ -256,12 +266,24 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
                           interactive_share=interactive_share)
     with _queue() as q:
         db_ = q.db
-    w = Worker(db_, executor, config, secrets=secrets.for_tenant)
+    w = Worker(db_, executor, config, secrets=secrets.for_tenant,
+               alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
+    if metrics_port is not None:
+        serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
     _install_signal_handlers(w.stop)
+    if chosen_format == "text" and sys.stderr.isatty():
+        ProgressLine(lambda: _progress(w), w.stopping).start()
     stats = w.run()
     click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
     if w.failed:
         raise TenantqError("the worker could not claim jobs (database errors); see the log above")
+
+
+def _progress(w: Any) -> str:
+    s = w.stats.snapshot()
+    return (f"tenantq worker [{w.executor.name}] batches {s['batches']} · done {s['done']} · "
+            f"retried {s['retried']} · dead {s['dead']} · released {s['released']} · "
+            f"running {len(w.leases.live())}")
 
 
 def _install_signal_handlers(stop: Callable[[], None]) -> None:

@@ -44,6 +44,11 @@ class Settings(BaseSettings):
         description="Where the embedded Postgres and sandbox templates live.",
     )
 
+    metrics_top_tenants: int = Field(
+        default=20, ge=1, le=10_000,
+        description="Tenants with their own label in queue metrics; the rest are summed as 'other'.",
+    )
+
     @field_validator("schema_name")
     @classmethod
     def _schema_is_identifier(cls, value: str) -> str:

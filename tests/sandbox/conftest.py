@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,9 +53,9 @@ SLOW_APP = "tests.sandbox.slow_app"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # the controllers tenantq itself creates and removes (cgroups.V1_CONTROLLERS)
 MANAGED_CONTROLLERS = ("memory", "pids", "cpu")
-# how long a tenantq cgroup that appeared during the test (maybe another
-# process's short-lived sandbox on this host) may take to go away
-CGROUP_SETTLE_SECONDS = 15.0
+# how long a sandbox's cgroups may take to go after its dir is gone
+CGROUP_SETTLE_SECONDS = 3.0
+WATCH_INTERVAL_SECONDS = 0.005
 
 
 @pytest.fixture(params=DRIVERS)
@@ -138,18 +139,39 @@ def sandbox_dirs(data_dir: Path) -> list[Path]:
 
 
 class Leftovers:
-    """Snapshot before the test; `check()` after it."""
+    """Watches the test's data dir for sandbox ids while the test runs (a
+    sandbox lives at least as long as its first run, far longer than the
+    watch interval), then `check()` looks for anything of those sandboxes
+    still on the host. Cgroups of sandboxes this test did not make (another
+    process on this host) are left alone."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.before = tenantq_cgroup_dirs()
+        self.seen: set[str] = set()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="sandbox-watch", daemon=True)
+        self._watcher.start()
 
-    def new_cgroups(self, controllers: tuple[str, ...] | None = None) -> dict[str, set[str]]:
-        fresh = {h: ids - self.before.get(h, set()) for h, ids in tenantq_cgroup_dirs(controllers).items()}
-        return {h: ids for h, ids in fresh.items() if ids}
+    def _scan(self) -> None:
+        for path in sandbox_dirs(self.data_dir):
+            if path.name.startswith("tq-"):
+                self.seen.add(path.name)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_SECONDS):
+            with contextlib.suppress(OSError):
+                self._scan()
+
+    def cgroups_left(self, controllers: tuple[str, ...] | None = None) -> dict[str, set[str]]:
+        """This test's sandboxes' cgroups still present, per hierarchy."""
+        left = {h: ids & self.seen for h, ids in tenantq_cgroup_dirs(controllers).items()}
+        return {h: ids for h, ids in left.items() if ids}
 
     def check(self) -> list[str]:
         """Everything the test left behind (removed as it is found)."""
+        self._stop.set()
+        self._watcher.join()
+        self._scan()
         problems: list[str] = []
         marker = str(self.data_dir)
         # processes: bwrap/runsc (and their gofer/sandbox) name the data dir
@@ -175,14 +197,13 @@ class Leftovers:
             for d in dirs:
                 CgroupBox(d.name).remove()
                 shutil.rmtree(d, ignore_errors=True)
-        # cgroups tenantq manages: new ones must be gone (a sandbox of another
-        # process on this host may still be finishing: give it a moment)
+        # the cgroups tenantq manages (memory, pids, cpu on v1)
         managed = MANAGED_CONTROLLERS if cgroups.is_v1() else None
         try:
-            wait_until(lambda: not self.new_cgroups(managed), timeout=CGROUP_SETTLE_SECONDS, interval=0.2,
-                       message="new tenantq cgroups to go away")
+            wait_until(lambda: not self.cgroups_left(managed), timeout=CGROUP_SETTLE_SECONDS, interval=0.1,
+                       message="the test's tenantq cgroups to go away")
         except TimeoutError:
-            left = self.new_cgroups(managed)
+            left = self.cgroups_left(managed)
             problems.append(f"cgroups left: {left}")
             for sandbox_id in set().union(*left.values()):
                 CgroupBox(sandbox_id).remove()
@@ -191,15 +212,13 @@ class Leftovers:
 
     def scrub_unmanaged(self) -> None:
         """runsc creates tenantq/<id> in every v1 hierarchy; tenantq removes
-        only memory/pids/cpu (see test_destroy_leaves_no_cgroup_in_any_hierarchy).
-        Remove the empty ones of sandboxes that are gone, so the suite does not
+        only memory/pids/cpu (test_destroy_leaves_no_cgroup_in_any_hierarchy
+        fails on that). Remove this test's empty ones so the suite does not
         pile them up on the host."""
-        managed = tenantq_cgroup_dirs(MANAGED_CONTROLLERS)
-        alive = set().union(*managed.values()) if managed else set()
-        for hierarchy, ids in self.new_cgroups().items():
+        for hierarchy, ids in self.cgroups_left().items():
             if hierarchy in MANAGED_CONTROLLERS:
                 continue
-            for sandbox_id in ids - alive:
+            for sandbox_id in ids:
                 path = CGROUP_ROOT / hierarchy / cgroups.PARENT / sandbox_id
                 for child in sorted(path.glob("*/"), reverse=True):
                     with contextlib.suppress(OSError):

@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 
@@ -65,7 +66,7 @@ class Maintenance(threading.Thread):
         *,
         lease_seconds: float,
         stopping: threading.Event,
-        on_reaped: Callable[[int], None] | None = None,
+        on_reaped: Callable[[list[dict[str, Any]]], None] | None = None,
         on_interactive: Callable[[], None] | None = None,
         reap_sandboxes: Callable[[], list[str]] | None = None,
     ) -> None:
@@ -108,7 +109,7 @@ class Maintenance(threading.Thread):
             if reaped:
                 log.warning("reaped %d jobs from expired leases", len(reaped))
                 if self.on_reaped is not None:
-                    self.on_reaped(len(reaped))
+                    self.on_reaped(reaped)
             now = time.monotonic()
             due = now - self._last_sandbox_reap >= SANDBOX_REAP_EVERY_SECONDS
             if self.reap_sandboxes is not None and due:

@@ -35,9 +35,13 @@ class Backoff:
 def succeeded(job: ClaimedJob, result: Any, *, backoff: Backoff) -> Settlement:
     """Done, unless the result cannot be stored: then it is a failed attempt."""
     try:
-        size = len(json.dumps(result, allow_nan=False).encode())
+        text = json.dumps(result, allow_nan=False)
     except (TypeError, ValueError) as exc:
         return failed(job, f"result is not JSON-serialisable: {exc}", backoff=backoff)
+    if "\\u0000" in text.replace("\\\\", ""):
+        return failed(job, "result contains a NUL character, which Postgres jsonb cannot store",
+                      backoff=backoff)
+    size = len(text.encode())
     if size > MAX_RESULT_BYTES:
         return failed(job, f"result is {size} bytes of JSON; the limit is {MAX_RESULT_BYTES}",
                       backoff=backoff)
@@ -49,7 +53,17 @@ def failed(
     rng: random.Random | None = None,
 ) -> Settlement:
     """A failed attempt: retry after a backoff, or dead when attempts are used up."""
+    error = error.replace("\x00", "\\0")  # Postgres text cannot hold NUL
     error = error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 15] + "... (truncated)"
     if not retryable or job.attempt >= job.max_attempts:
         return Settlement(job_id=job.id, status="dead", error=error)
     return Settlement(job_id=job.id, status="pending", error=error, delay=backoff.delay(job.attempt, rng))
+
+
+def unstorable(job: ClaimedJob, settlement: Settlement, problem: str, backoff: Backoff) -> Settlement:
+    """Postgres refused a settlement's data: a done job becomes a failed
+    attempt naming the problem; an error text is stripped to plain text."""
+    if settlement.status == "done":
+        return failed(job, f"result could not be stored: {problem.strip().splitlines()[0]}", backoff=backoff)
+    clean = (settlement.error or "").encode("ascii", "replace").decode()
+    return Settlement(job_id=settlement.job_id, status=settlement.status, error=clean, delay=settlement.delay)

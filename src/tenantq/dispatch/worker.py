@@ -20,16 +20,19 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance
-from tenantq.dispatch.outcome import Backoff, failed, succeeded
+from tenantq.dispatch.outcome import Backoff, failed, succeeded, unstorable
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.errors import LeaseLost
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import Mode
 from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE, class_order, is_lent, reserved_slots
+from tenantq.observe import metrics
+from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
 from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Database, Pool
@@ -37,6 +40,7 @@ from tenantq.store.model import Batch, ClaimedJob, Settlement
 from tenantq.store.queries import sql
 
 log = logging.getLogger("tenantq.worker")
+OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead"}
 ONCE_CLAIM_ATTEMPTS = 5
 
 
@@ -92,8 +96,10 @@ class Worker:
         config: WorkerConfig | None = None,
         *,
         secrets: SecretsLookup | None = None,
+        alerts: DeadLetterAlerts | None = None,
     ) -> None:
         self.db = db
+        self.alerts = alerts or DeadLetterAlerts()
         self.executor = executor
         self.config = config or WorkerConfig()
         self.secrets = secrets or (lambda tenant: {})
@@ -117,7 +123,7 @@ class Worker:
                             on_interactive=self.interactive_waiting.set)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
                                   stopping=self.stopping,
-                                  on_reaped=lambda n: self.stats.add(reaped=n),
+                                  on_reaped=self._reaped,
                                   on_interactive=self.interactive_waiting.set,
                                   reap_sandboxes=_driver_reaper(self.executor))
         slots = [threading.Thread(target=self._slot, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
@@ -125,6 +131,8 @@ class Worker:
         try:
             # reap before the first claim, so a restarted fleet picks up the
             # jobs of a dead worker without waiting one tick
+            if self.alerts.enabled:
+                self.alerts.start()
             maintenance.tick()
             if not cfg.once:
                 listener.start()
@@ -148,8 +156,19 @@ class Worker:
             if listener.is_alive():
                 listener.join()
             self._pool.close()
+            if self.alerts.enabled:
+                self.alerts.close()
         log.info("worker %s stopped: %s", cfg.worker_id, self.stats.snapshot())
         return self.stats
+
+    def _reaped(self, rows: list[dict[str, Any]]) -> None:
+        """Jobs the reaper put back or dead-lettered from expired leases."""
+        self.stats.add(reaped=len(rows))
+        for r in rows:
+            if r["status"] == "dead":
+                metrics.DEAD_LETTERED.labels(r["priority"]).inc()
+                self.alerts.fire(DeadJob(int(r["id"]), str(r["tenant_id"]), str(r["kind"]),
+                                         int(r["attempts"]), str(r["last_error"])))
 
     def stop(self) -> None:
         """Graceful stop: finish running jobs, release the rest, end leases."""
@@ -200,6 +219,8 @@ class Worker:
                 batch = claim_next(conn, request, priority)
                 if batch is not None:
                     self.leases.add(batch.batch_id)
+                    for job in batch.jobs:
+                        metrics.JOB_WAIT.labels(priority).observe(job.waited)
                     return batch
                 if priority == "interactive":
                     self.interactive_waiting.clear()
@@ -216,6 +237,7 @@ class Worker:
     def _run_batch(self, batch: Batch, *, lent: bool = False) -> None:
         run = BatchRun(self, batch)
         self.stats.add(batches=1)
+        outcome = "failed"
         try:
             self.executor.run(
                 batch,
@@ -231,6 +253,9 @@ class Worker:
         finally:
             run.finish(outcome)
             self.leases.remove(batch.batch_id)
+        if self.executor.name == "inline" or outcome == "failed":
+            # sandboxed executors count their own outcomes, by how the sandbox ended
+            metrics.BATCH_OUTCOMES.labels(self.executor.name, outcome).inc()
 
 
 class BatchRun:
@@ -256,8 +281,9 @@ class BatchRun:
             return
         job = self.jobs[event.job_id]
         self.ended.add(event.job_id)
-        self.run_seconds += event.seconds if event.seconds is not None else (
-            time.monotonic() - self._job_started_at)
+        seconds = event.seconds if event.seconds is not None else time.monotonic() - self._job_started_at
+        self.run_seconds += seconds
+        metrics.JOB_RUN.labels(self.batch.priority).observe(seconds)
         backoff = self.worker.config.backoff
         if event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
@@ -291,7 +317,7 @@ class BatchRun:
         while True:
             try:
                 with pool.connection() as conn:
-                    jobs.settle(conn, self.batch.batch_id, settlements, release=release,
+                    applied = jobs.settle(conn, self.batch.batch_id, settlements, release=release,
                                 end_outcome=end_outcome, run_seconds=self.run_seconds,
                                 ran_jobs=len(self.ended),
                                 charge_runtime=self.worker.config.fair_by is Mode.RUNTIME)
@@ -301,6 +327,17 @@ class BatchRun:
                 self.worker.stats.add(refused=len(settlements))
                 log.warning("%s", exc)
                 return
+            except psycopg.errors.DataError as exc:
+                # not transient: some result or error cannot be stored. Keep
+                # the batch's other outcomes; the offending ones become
+                # failed attempts that say why.
+                if attempt > 0:
+                    log.error("cannot settle batch %d: %s", self.batch.batch_id, exc)
+                    self.lost = True
+                    return
+                attempt += 1
+                settlements = [unstorable(self.jobs[s.job_id], s, str(exc), self.worker.config.backoff)
+                               for s in settlements]
             except psycopg.Error as exc:
                 # Postgres restarting: keep trying while the lease could still
                 # be live; after that the reaper owns these jobs.
@@ -310,13 +347,21 @@ class BatchRun:
                     self.lost = True
                     return
                 time.sleep(min(0.1 * 2**attempt, 2.0))
+        settled = [s for s in settlements if s.job_id in set(applied)]
         stats = self.worker.stats
         stats.add(
-            done=sum(s.status == "done" for s in settlements),
-            retried=sum(s.status == "pending" for s in settlements),
-            dead=sum(s.status == "dead" for s in settlements),
+            done=sum(s.status == "done" for s in settled),
+            retried=sum(s.status == "pending" for s in settled),
+            dead=sum(s.status == "dead" for s in settled),
             released=len(release),
         )
+        priority = self.batch.priority
+        for s in settled:
+            metrics.JOB_OUTCOMES.labels(priority, OUTCOME_LABEL[s.status]).inc()
+            if s.status == "dead":
+                metrics.DEAD_LETTERED.labels(priority).inc()
+                job = self.jobs[s.job_id]
+                self.worker.alerts.fire(DeadJob(job.id, job.tenant_id, job.kind, job.attempt, s.error or ""))
 
 
 def _driver_reaper(executor: BatchExecutor) -> Callable[[], list[str]] | None:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import GUEST_WORK_DIR, SandboxDriver
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
@@ -94,7 +95,9 @@ class SandboxExecutor:
         spec = SandboxSpec(tenant=batch.tenant_id, memory_mb=memory_mb + SANDBOX_OVERHEAD_MB, cpus=self.cpus,
                            max_pids=self.max_pids, ttl_seconds=budget + 30, tmp_mb=self.tmp_mb,
                            mounts=self.guest.mounts, labels={"batch": str(batch.batch_id)})
+        created = time.monotonic()
         sandbox = self.driver.create(spec)
+        metrics.SANDBOX_CREATE.labels(self.name).observe(time.monotonic() - created)
         try:
             sandbox.put_file("batch.json", json.dumps({
                 "app": self.app_module, "tenant": batch.tenant_id,
@@ -132,8 +135,11 @@ class SandboxExecutor:
             if overrun is not None:
                 end = End("timeout", detail=overrun)
             tail.finish(end, result)
+            metrics.BATCH_OUTCOMES.labels(self.name, metrics.batch_reason(end.kind)).inc()
         finally:
+            destroying = time.monotonic()
             sandbox.destroy()
+            metrics.SANDBOX_DESTROY.labels(self.name).observe(time.monotonic() - destroying)
 
 
 class ResultTail:

@@ -23,6 +23,7 @@ from tenantq.sandbox.hostside import HostSandbox, expired_dirs, wait_exit
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
 
+PROCESS_MAX_PIDS = 64
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 # Put the shell in the sandbox's cgroups, then become bwrap: everything the
@@ -46,7 +47,12 @@ class ProcessDriver:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
             sandbox = ProcessSandbox(self, sandbox_id, path, spec, skeleton)
             if cgroups.available():
-                sandbox.box.create(memory_mb=spec.memory_mb, max_pids=spec.max_pids, cpus=spec.cpus)
+                # Unlike gVisor there is no sentry or gofer to budget for, and
+                # RLIMIT_NPROC cannot help (the guest is root on the host,
+                # mapped): a small pids cap makes a fork bomb get EAGAIN fast,
+                # before memory or the timeout end it.
+                sandbox.box.create(memory_mb=spec.memory_mb, max_pids=min(spec.max_pids, PROCESS_MAX_PIDS),
+                                   cpus=spec.cpus)
             return sandbox
         except BaseException:
             CgroupBox(sandbox_id).remove()

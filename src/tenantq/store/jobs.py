@@ -128,6 +128,7 @@ def claim(
                 payload=r["payload"],
                 attempt=int(str(r["attempts"])),
                 max_attempts=int(str(r["max_attempts"])),
+                waited=float(str(r["waited"])),
             )
             for r in rows
         ),

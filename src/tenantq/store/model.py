@@ -32,6 +32,8 @@ class ClaimedJob:
     payload: Any
     attempt: int
     max_attempts: int
+    # seconds it was runnable before this claim (for the wait histogram)
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)

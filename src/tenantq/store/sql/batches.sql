@@ -54,7 +54,7 @@ SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' E
     finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock.now END
 FROM expired e, clock
 WHERE j.batch_id = e.batch_id AND j.status = 'running'
-RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after;
+RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.last_error;
 
 -- name: live_for_tenant
 SELECT count(*) AS n FROM batches

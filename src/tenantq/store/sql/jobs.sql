@@ -101,7 +101,8 @@ SET status = 'running', batch_id = b.batch_id, attempts = j.attempts + 1, starte
 FROM picked p, batch b, clock
 WHERE j.id = p.id
 RETURNING j.id, j.tenant_id, j.kind, j.payload, j.priority, j.attempts, j.max_attempts,
-          b.batch_id, b.lease_expires_at;
+          b.batch_id, b.lease_expires_at,
+          greatest(extract(epoch FROM clock.now - j.run_after), 0)::double precision AS waited;
 
 -- name: settle
 -- Apply each job's outcome, but only while the job still runs under the

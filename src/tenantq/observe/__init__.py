@@ -1,0 +1,1 @@
+"""Observability: Prometheus metrics, dead-letter alerts, log formats."""

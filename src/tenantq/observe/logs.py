@@ -1,0 +1,65 @@
+"""Log output: structured JSON lines for machines, text for people, and a
+live one-line progress view when the worker is attached to a terminal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                  + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure(log_format: str | None, *, level: int = logging.INFO) -> str:
+    """Set up the root logger; `None` picks text on a terminal, else json."""
+    chosen = log_format or ("text" if sys.stderr.isatty() else "json")
+    handler = logging.StreamHandler(sys.stderr)
+    if chosen == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    return chosen
+
+
+class ProgressLine(threading.Thread):
+    """Redraws one status line on the terminal every half second."""
+
+    def __init__(self, render: Callable[[], str], stopping: threading.Event) -> None:
+        super().__init__(name="tenantq-progress", daemon=True)
+        self.render = render
+        self.stopping = stopping
+
+    def run(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(Text(self.render()), console=Console(stderr=True), refresh_per_second=2,
+                  transient=False) as live:
+            while not self.stopping.wait(0.5):
+                live.update(Text(self.render()))
+            live.update(Text(self.render()))

@@ -1,0 +1,128 @@
+"""Prometheus metrics.
+
+Two kinds:
+- in-process instruments a worker updates as it runs (wait and run time
+  histograms, sandbox create / destroy time by driver, batch outcomes by
+  reason, job outcomes, dead-letter total), labelled by priority class,
+  driver, reason and outcome only: bounded sets;
+- queue gauges read from Postgres at scrape time (pending, oldest pending
+  age, running batches, dead jobs per tenant and class). Tenant labels are
+  bounded: the top N tenants by pending jobs (TENANTQ_METRICS_TOP_TENANTS,
+  default 20) get their own series, the rest are summed into tenant="other".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tenantq.store.db import Database
+from tenantq.store.queries import sql
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+JOB_WAIT = Histogram("tenantq_job_wait_seconds", "Time a job was runnable before it started.",
+                     ["priority"], buckets=TIME_BUCKETS, registry=REGISTRY)
+JOB_RUN = Histogram("tenantq_job_run_seconds", "Time a job's handler ran.", ["priority"],
+                    buckets=TIME_BUCKETS, registry=REGISTRY)
+SANDBOX_CREATE = Histogram("tenantq_sandbox_create_seconds", "Time to create a sandbox.", ["driver"],
+                           buckets=TIME_BUCKETS, registry=REGISTRY)
+SANDBOX_DESTROY = Histogram("tenantq_sandbox_destroy_seconds", "Time to destroy a sandbox.", ["driver"],
+                            buckets=TIME_BUCKETS, registry=REGISTRY)
+BATCH_OUTCOMES = Counter("tenantq_batch_outcomes_total", "Batches by how their sandbox ended.",
+                         ["driver", "reason"], registry=REGISTRY)
+JOB_OUTCOMES = Counter("tenantq_job_outcomes_total", "Settled attempts by outcome (done, retry, dead).",
+                       ["priority", "outcome"], registry=REGISTRY)
+DEAD_LETTERED = Counter("tenantq_dead_letter_total", "Jobs that reached dead.", ["priority"],
+                        registry=REGISTRY)
+
+BATCH_REASONS = ("ok", "oom", "timeout", "crashed", "killed", "failed")
+
+
+def batch_reason(end_kind: str) -> str:
+    """Map a sandbox End kind onto the bounded reason label."""
+    return {"ok": "ok", "oom": "oom", "timeout": "timeout", "signal": "killed", "exit": "crashed",
+            "crashed": "crashed"}.get(end_kind, "failed")
+
+
+class QueueCollector(Collector):
+    """Queue gauges, read from Postgres when scraped."""
+
+    def __init__(self, db: Database, *, top_tenants: int = 20) -> None:
+        self.db = db
+        self.top_tenants = top_tenants
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        pending = GaugeMetricFamily("tenantq_pending_jobs", "Pending jobs.", labels=["tenant", "priority"])
+        oldest = GaugeMetricFamily("tenantq_oldest_pending_seconds", "Age of the oldest pending job.",
+                                   labels=["tenant", "priority"])
+        running = GaugeMetricFamily("tenantq_running_jobs", "Jobs running now.",
+                                    labels=["tenant", "priority"])
+        dead = GaugeMetricFamily("tenantq_dead_jobs", "Jobs in the dead-letter list.",
+                                 labels=["tenant", "priority"])
+        batches = GaugeMetricFamily("tenantq_running_batches", "Live leases (running batches).",
+                                    labels=["tenant"])
+        with self.db.connect() as conn:
+            rows: list[dict[str, Any]] = conn.execute(sql("jobs", "status_counts"),
+                                                      {"tenant_id": None}).fetchall()
+            live: list[dict[str, Any]] = conn.execute(sql("batches", "live")).fetchall()
+        top = _top_tenants(rows, self.top_tenants)
+        merged: dict[tuple[str, str], dict[str, float]] = {}
+        for r in rows:
+            key = (r["tenant_id"] if r["tenant_id"] in top else "other", r["priority"])
+            m = merged.setdefault(key, {"pending": 0, "running": 0, "dead": 0, "oldest": 0.0})
+            m["pending"] += int(r["pending"])
+            m["running"] += int(r["running"])
+            m["dead"] += int(r["dead"])
+            m["oldest"] = max(m["oldest"], float(r["oldest_pending_seconds"] or 0.0))
+        for (tenant, priority), m in sorted(merged.items()):
+            pending.add_metric([tenant, priority], m["pending"])
+            oldest.add_metric([tenant, priority], m["oldest"])
+            running.add_metric([tenant, priority], m["running"])
+            dead.add_metric([tenant, priority], m["dead"])
+        per_tenant: dict[str, int] = {}
+        for b in live:
+            label = b["tenant_id"] if b["tenant_id"] in top else "other"
+            per_tenant[label] = per_tenant.get(label, 0) + 1
+        for tenant, n in sorted(per_tenant.items()):
+            batches.add_metric([tenant], n)
+        yield from (pending, oldest, running, dead, batches)
+
+
+def _top_tenants(rows: list[dict[str, Any]], n: int) -> set[str]:
+    totals: dict[str, int] = {}
+    for r in rows:
+        totals[r["tenant_id"]] = totals.get(r["tenant_id"], 0) + int(r["pending"]) + int(r["running"])
+    return set(sorted(totals, key=lambda t: (-totals[t], t))[:n])
+
+
+def registry_for(db: Database, *, top_tenants: int = 20) -> CollectorRegistry:
+    """The process's instruments plus the queue gauges of `db`."""
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(QueueCollector(db, top_tenants=top_tenants))
+    registry.register(_Forward(REGISTRY))
+    return registry
+
+
+class _Forward(Collector):
+    """Expose another registry's metrics through this one."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.source.collect()
+
+
+def asgi_app(db: Database, *, top_tenants: int = 20) -> Any:
+    return make_asgi_app(registry=registry_for(db, top_tenants=top_tenants))
+
+
+def serve_worker_metrics(db: Database, port: int, *, host: str = "127.0.0.1", top_tenants: int = 20) -> None:
+    """`tenantq worker --metrics-port P`: a /metrics endpoint in a thread."""
+    start_http_server(port, addr=host, registry=registry_for(db, top_tenants=top_tenants))
