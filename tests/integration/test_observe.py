@@ -83,7 +83,7 @@ def test_a_failing_hook_is_logged_not_fatal(db: Database, queue: Queue) -> None:
 
 
 class _Collector(BaseHTTPRequestHandler):
-    received: list[dict[str, object]] = []  # noqa: RUF012
+    received: list[dict[str, object]] = []
     fail_first = 0
 
     def do_POST(self) -> None:
