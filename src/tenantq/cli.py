@@ -165,6 +165,25 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None) ->
 
 
 @cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; keep it local unless --token is set.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True)
+@click.option("--token", default=None, envvar="TENANTQ_DASHBOARD_TOKEN",
+              help="Require this bearer token (or a login) for every page, action and /metrics.")
+def dashboard(host: str, port: int, token: str | None) -> None:
+    """Serve the web dashboard (and /metrics): tenants, queues, running batches, failures, dead jobs."""
+    from tenantq.observe.metrics import asgi_app
+    from tenantq.settings import Settings
+    from tenantq.web.app import serve
+
+    if token is not None and not token:
+        raise InvalidInput("--token must not be empty")
+    with _queue() as q:
+        serve(q, host=host, port=port, token=token,
+              metrics_app=asgi_app(q.db, top_tenants=Settings().metrics_top_tenants))
+
+
+@cli.command()
 def reap() -> None:
     """Reap expired leases and sandboxes past their TTL (workers also do this)."""
     from tenantq.sandbox.reaper import reap_sandboxes
