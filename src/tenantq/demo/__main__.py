@@ -119,9 +119,10 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, sandbox: str, schem
     runner.join()
     _print_summary(_rows(db), elapsed, whale_jobs)
     q.close()
-    console.print(f"\nLook around: [bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq status[/] · "
-                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dead list[/] · "
-                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq job ID[/]")
+    console.print(f"\nLook around: [bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dashboard[/] "
+                  "(then open http://127.0.0.1:8080/) · "
+                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq status[/] · "
+                  f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dead list[/]")
 
 
 def _print_summary(rows: list[dict[str, Any]], elapsed: float, whale_jobs: int) -> None:
