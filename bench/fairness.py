@@ -134,7 +134,8 @@ def _stats(waits: dict[str, list[float]]) -> tuple[float, float]:
 
 
 def run(*, whales: tuple[int, ...] = (2_000, 20_000, 200_000), peers: bool = True,
-        small_jobs: int = 10, deadline: float = 150, weights_run: int = 3000) -> dict[str, Any]:
+        small_jobs: int = 10, deadline: float = 120, weights_run: int = 3000,
+        plot: bool = True) -> dict[str, Any]:
     common = {"small_tenants": 5, "small_jobs": small_jobs, "concurrency": 8, "handler_ms": 5}
     rows: list[dict[str, Any]] = []
     with scratch_schema("info") as db:
@@ -172,4 +173,8 @@ def run(*, whales: tuple[int, ...] = (2_000, 20_000, 200_000), peers: bool = Tru
     payload = {"benchmark": "fairness", "machine": info, "settings": {**common, "whales": whales,
                "deadline": deadline}, "runs": rows, "weights_shares": shares}
     console.print(f"wrote {save('fairness', payload)}")
+    if plot:
+        from bench.plot import plot_fairness
+
+        console.print(f"plotted {plot_fairness(payload)}")
     return payload

@@ -1,0 +1,65 @@
+"""The picture people would rather look at: small tenants' worst wait
+versus the whale's backlog, for tenantq and the FIFO peers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display here
+import matplotlib.pyplot as plt
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+COLORS = {"tenantq": "#1f7a3a", "pgqueuer": "#c0392b", "procrastinate": "#7d3c98"}
+
+
+def plot_fairness(payload: dict[str, Any], path: Path = DOCS / "fairness-wait.png") -> Path:
+    deadline = float(payload["settings"]["deadline"])
+    fig, ax = plt.subplots(figsize=(8, 4.8), dpi=120)
+    systems = sorted({r["system"] for r in payload["runs"]}, key=lambda s: (s != "tenantq", s))
+    for system in systems:
+        xs, ys, capped = [], [], []
+        for r in payload["runs"]:
+            if r["system"] != system or not r["whale"]:
+                continue
+            waits = [w for ws in r["small_waits"].values() for w in ws]
+            if r.get("unfinished_small"):
+                capped.append(r["whale"])
+                xs.append(r["whale"])
+                ys.append(deadline)
+            else:
+                xs.append(r["whale"])
+                ys.append(max(waits))
+        ax.plot(xs, ys, marker="o", color=COLORS.get(system), label=system, linewidth=2)
+        for x in capped:
+            ax.annotate("not started\nby deadline", (x, deadline), textcoords="offset points",
+                        xytext=(0, -28), ha="center", fontsize=8, color=COLORS.get(system))
+    empty = [r for r in payload["runs"] if r["system"] == "tenantq" and not r["whale"]]
+    if empty:
+        base = max(w for ws in empty[0]["small_waits"].values() for w in ws)
+        ax.axhline(base, color=COLORS["tenantq"], linestyle=":", linewidth=1)
+        ax.text(2_000, base * 1.15, f"tenantq on an empty queue ({base * 1000:.0f} ms)", fontsize=8,
+                color=COLORS["tenantq"])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("whale backlog (jobs)")
+    ax.set_ylabel("small tenants' max wait (s)")
+    settings = payload["settings"]
+    ax.set_title(f"Noisy neighbour: 5 small tenants x {settings['small_jobs']} jobs, "
+                 f"concurrency {settings['concurrency']}, {settings['handler_ms']} ms jobs")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    # python -m bench.plot bench/results/fairness-....json
+    print(plot_fairness(json.loads(Path(sys.argv[1]).read_text())))
