@@ -34,15 +34,37 @@ class JsonFormatter(logging.Formatter):
 def configure(log_format: str | None, *, level: int = logging.INFO) -> str:
     """Set up the root logger; `None` picks text on a terminal, else json."""
     chosen = log_format or ("text" if sys.stderr.isatty() else "json")
-    handler = logging.StreamHandler(sys.stderr)
+    handler: logging.Handler
     if chosen == "json":
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
+    elif sys.stderr.isatty():
+        # through the same console as the progress line, so log lines print
+        # above it instead of through it
+        from rich.logging import RichHandler
+
+        handler = RichHandler(console=terminal(), show_path=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     else:
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
     return chosen
+
+
+_CONSOLE: Any = None
+
+
+def terminal() -> Any:
+    """The one rich Console on stderr shared by log lines and the progress line."""
+    global _CONSOLE
+    if _CONSOLE is None:
+        from rich.console import Console
+
+        _CONSOLE = Console(stderr=True)
+    return _CONSOLE
 
 
 class ProgressLine(threading.Thread):
@@ -54,12 +76,10 @@ class ProgressLine(threading.Thread):
         self.stopping = stopping
 
     def run(self) -> None:
-        from rich.console import Console
         from rich.live import Live
         from rich.text import Text
 
-        with Live(Text(self.render()), console=Console(stderr=True), refresh_per_second=2,
-                  transient=False) as live:
+        with Live(Text(self.render()), console=terminal(), refresh_per_second=2, transient=False) as live:
             while not self.stopping.wait(0.5):
                 live.update(Text(self.render()))
             live.update(Text(self.render()))
