@@ -22,9 +22,9 @@ from typing import Any
 
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs, owner_alive, read_meta, wait_exit
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs, owner_alive, read_meta
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
-from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, classify_exit, tail
+from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
@@ -164,32 +164,19 @@ class GVisorSandbox(HostSandbox):
             proc = subprocess.Popen(self.driver.runsc_cmd("run", "--bundle", str(self.path), cid),
                                     stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True)
         self._proc, self._running = proc, cid
-        end: End | None = None
+
+        def kill() -> None:
+            self._kill(cid)
+            self._dirty.append(cid)
+
         try:
-            assert proc.stdin is not None
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(stdin)
-            with contextlib.suppress(BrokenPipeError):
-                proc.stdin.close()
-            budget = min(timeout, self.remaining_ttl())
-            status = wait_exit(proc, budget)
-            if status is None:
-                self._kill(cid)
-                self._dirty.append(cid)
-                returncode = proc.wait(timeout=30)
-                end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
-            else:
-                returncode = status
+            result = self._supervise(proc, stdin, timeout, kill, out_path, err_path)
         finally:
             self._running = None
-        if end is None:
-            end = classify_exit(returncode)
-            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed(self.spec.memory_mb << 20):
-                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
-        stdout, stderr = out_path.read_bytes(), err_path.read_bytes()
-        if end.kind == "exit" and returncode == 2 and b"panic" in stderr.lower():
+        if result.end.kind == "exit" and result.exit_code == 2 and "panic" in result.stderr.lower():
             end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
-        return ExecResult(exit_code=returncode, stdout=tail(stdout), stderr=tail(stderr), end=end)
+            result = ExecResult(result.exit_code, result.stdout, result.stderr, end)
+        return result
 
     def kill(self) -> None:
         cid = self._running

@@ -10,10 +10,11 @@ import select
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tenantq.sandbox.cgroups import CgroupBox
-from tenantq.sandbox.spec import SandboxSpec
+from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
 
 META_FILE = "sandbox.json"
 
@@ -55,6 +56,29 @@ class HostSandbox:
 
     def get_file(self, name: str) -> bytes:
         return self._safe_name(name).read_bytes()
+
+    def _supervise(self, proc: subprocess.Popen[bytes], stdin: bytes, timeout: float,
+                   kill: Callable[[], None], out_path: Path, err_path: Path) -> ExecResult:
+        """Feed stdin, wait up to the budget (killing on overrun) and classify
+        the end: the part of run() every host-side driver shares."""
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(stdin)
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
+        budget = min(timeout, self.remaining_ttl())
+        status = wait_exit(proc, budget)
+        if status is None:
+            kill()
+            returncode = proc.wait(timeout=30)
+            end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
+        else:
+            returncode = status
+            end = classify_exit(returncode)
+            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed(self.spec.memory_mb << 20):
+                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
+        return ExecResult(exit_code=returncode, stdout=tail(out_path.read_bytes()),
+                          stderr=tail(err_path.read_bytes()), end=end)
 
     def _remove_host_state(self) -> None:
         self.box.remove()

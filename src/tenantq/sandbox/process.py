@@ -19,9 +19,9 @@ from pathlib import Path
 from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs, wait_exit
+from tenantq.sandbox.hostside import HostSandbox, expired_dirs
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
-from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
+from tenantq.sandbox.spec import ExecResult, SandboxSpec
 
 PROCESS_MAX_PIDS = 64
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -107,27 +107,12 @@ class ProcessSandbox(HostSandbox):
             proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err,
                                     env={"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"})
         self._proc = proc
-        end: End | None = None
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write(stdin)
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.close()
-        budget = min(timeout, self.remaining_ttl())
-        status = wait_exit(proc, budget)
-        if status is None:
+
+        def kill() -> None:
             self.box.kill_all()
             proc.kill()
-            returncode = proc.wait(timeout=30)
-            end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
-        else:
-            returncode = status
-        if end is None:
-            end = classify_exit(returncode)
-            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed():
-                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
-        return ExecResult(exit_code=returncode, stdout=tail(out_path.read_bytes()),
-                          stderr=tail(err_path.read_bytes()), end=end)
+
+        return self._supervise(proc, stdin, timeout, kill, out_path, err_path)
 
     def kill(self) -> None:
         self.box.kill_all()
