@@ -46,7 +46,7 @@ def peer_throughput(system: str, *, jobs: int, single: int) -> dict[str, Any] | 
 
 
 def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: int = 3,
-        concurrency: int = 2, batch_size: int = 100, peers: bool = True) -> dict[str, Any]:
+        concurrency: int = 3, batch_size: int = 500, peers: bool = True) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"enqueue_single": [], "enqueue_many": [], "drain_inline": []}
     info: dict[str, Any] = {}
     for _ in range(repeats):

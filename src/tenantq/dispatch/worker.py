@@ -118,7 +118,7 @@ class Worker:
     def run(self) -> WorkerStats:
         """Run until stop() (or, with once=True, until nothing is runnable)."""
         cfg = self.config
-        self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id)
+        self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id, check=False)
         listener = Listener(self.db, self.wakeup, self.stopping,
                             on_interactive=self.interactive_waiting.set)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
@@ -219,8 +219,9 @@ class Worker:
                 batch = claim_next(conn, request, priority)
                 if batch is not None:
                     self.leases.add(batch.batch_id)
+                    waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:
-                        metrics.JOB_WAIT.labels(priority).observe(job.waited)
+                        waits.observe(job.waited)
                     return batch
                 if priority == "interactive":
                     self.interactive_waiting.clear()
@@ -273,6 +274,7 @@ class BatchRun:
         self.lost = False
         self.run_seconds = 0.0
         self._job_started_at = 0.0
+        self._run_histogram = metrics.JOB_RUN.labels(batch.priority)
 
     def report(self, event: JobStarted | JobEnded) -> None:
         if isinstance(event, JobStarted):
@@ -283,7 +285,7 @@ class BatchRun:
         self.ended.add(event.job_id)
         seconds = event.seconds if event.seconds is not None else time.monotonic() - self._job_started_at
         self.run_seconds += seconds
-        metrics.JOB_RUN.labels(self.batch.priority).observe(seconds)
+        self._run_histogram.observe(seconds)
         backoff = self.worker.config.backoff
         if event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
@@ -347,7 +349,8 @@ class BatchRun:
                     self.lost = True
                     return
                 time.sleep(min(0.1 * 2**attempt, 2.0))
-        settled = [s for s in settlements if s.job_id in set(applied)]
+        applied_ids = set(applied)
+        settled = [s for s in settlements if s.job_id in applied_ids]
         stats = self.worker.stats
         stats.add(
             done=sum(s.status == "done" for s in settled),
@@ -356,8 +359,11 @@ class BatchRun:
             released=len(release),
         )
         priority = self.batch.priority
+        for status, label in OUTCOME_LABEL.items():
+            count = sum(s.status == status for s in settled)
+            if count:
+                metrics.JOB_OUTCOMES.labels(priority, label).inc(count)
         for s in settled:
-            metrics.JOB_OUTCOMES.labels(priority, OUTCOME_LABEL[s.status]).inc()
             if s.status == "dead":
                 metrics.DEAD_LETTERED.labels(priority).inc()
                 job = self.jobs[s.job_id]

@@ -54,15 +54,18 @@ class Database:
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(f"cannot connect to Postgres: {_first_line(exc)}") from exc
 
-    def pool(self, *, min_size: int = 1, max_size: int = 4, name: str = "tenantq") -> Pool:
-        return Pool(self, min_size=min_size, max_size=max_size, name=name)
+    def pool(self, *, min_size: int = 1, max_size: int = 4, name: str = "tenantq",
+             check: bool = True) -> Pool:
+        return Pool(self, min_size=min_size, max_size=max_size, name=name, check=check)
 
 
 class Pool:
-    """A psycopg pool whose connections are checked before use, so a Postgres
-    restart costs a reconnect instead of an error in the middle of a claim."""
+    """A psycopg pool. With `check`, connections are checked before use (one
+    round trip), so a Postgres restart costs a reconnect instead of an error;
+    the worker passes check=False because every claim and settle already
+    retries on a connection error, and the round trip would be paid per batch."""
 
-    def __init__(self, db: Database, *, min_size: int, max_size: int, name: str) -> None:
+    def __init__(self, db: Database, *, min_size: int, max_size: int, name: str, check: bool = True) -> None:
         self.db = db
         self._pool: ConnectionPool[Conn] = ConnectionPool(
             db.conninfo,
@@ -70,7 +73,7 @@ class Pool:
             max_size=max_size,
             name=name,
             kwargs={"autocommit": True, "row_factory": dict_row},
-            check=ConnectionPool.check_connection,
+            check=ConnectionPool.check_connection if check else None,
             open=False,
         )
         try:
