@@ -47,7 +47,11 @@ class CgroupBox:
         """The path as OCI cgroupsPath wants it (for a child of this box)."""
         return f"/{PARENT}/{self.sandbox_id}"
 
-    def create(self, *, memory_mb: int | None, max_pids: int | None, cpus: float | None) -> None:
+    def create(self, *, memory_mb: int | None, max_pids: int | None, cpus: float | None,
+               only_memory: bool = False) -> None:
+        """Make the box and set the given limits. `only_memory`: just the
+        memory parent gVisor's own cgroup nests under (for OOM evidence);
+        runsc creates the rest itself."""
         if not self.v1:
             with contextlib.suppress(OSError):
                 (ROOT / "cgroup.subtree_control").write_text("+memory +pids +cpu")
@@ -55,8 +59,9 @@ class CgroupBox:
             parent.mkdir(exist_ok=True)
             with contextlib.suppress(OSError):
                 (parent / "cgroup.subtree_control").write_text("+memory +pids +cpu")
-        for path in self.paths.values():
-            path.mkdir(parents=True, exist_ok=True)
+        for controller, path in self.paths.items():
+            if not only_memory or controller in ("memory", "unified"):
+                path.mkdir(parents=True, exist_ok=True)
         if memory_mb is not None:
             self.memory_limit = memory_mb * 1024 * 1024
             limit_file = "memory.limit_in_bytes" if self.v1 else "memory.max"

@@ -49,7 +49,7 @@ class GVisorDriver:
         try:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
             sandbox = GVisorSandbox(self, sandbox_id, path, spec, skeleton)
-            sandbox.box.create(memory_mb=None, max_pids=None, cpus=None)
+            sandbox.box.create(memory_mb=None, max_pids=None, cpus=None, only_memory=True)
             return sandbox
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
