@@ -27,7 +27,7 @@ from tenantq.registry import Registry
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 
-console = Console()
+console = Console(width=150)
 PEERS_DIR = Path(__file__).resolve().parent / "peers"
 
 

@@ -35,7 +35,7 @@ from tenantq.sandbox.layout import guest_python
 from tenantq.sandbox.process import ProcessDriver
 from tenantq.sandbox.spec import SandboxSpec
 
-console = Console()
+console = Console(width=150)
 APP = "bench.sandbox_app"
 
 
@@ -107,7 +107,7 @@ def end_to_end(executor_name: str, batch_size: int, jobs: int, data_dir: Path) -
         return jobs / elapsed
 
 
-def run(*, n: int = 30, jobs_per_size: dict[int, int] | None = None) -> dict[str, Any]:
+def run(*, n: int = 60, jobs_per_size: dict[int, int] | None = None) -> dict[str, Any]:
     import bench.sandbox_app  # noqa: F401  (registers bench.sleep10)
 
     sizes = jobs_per_size or {1: 60, 10: 200, 100: 600}
@@ -117,8 +117,16 @@ def run(*, n: int = 30, jobs_per_size: dict[int, int] | None = None) -> dict[str
         drivers["gvisor"] = GVisorDriver(data_dir)
     if bwrap_works():
         drivers["process"] = ProcessDriver(data_dir)
-    raw = floors(n)
-    overhead = {name: driver_overhead(d, n) for name, d in drivers.items()}
+    # Interleaved, one sample of each at a time, so drift in the machine's
+    # load hits the floors and the drivers alike.
+    raw: dict[str, list[float]] = {}
+    overhead: dict[str, dict[str, list[float]]] = {name: {} for name in drivers}
+    for _ in range(n):
+        for label, samples in floors(1).items():
+            raw.setdefault(label, []).extend(samples)
+        for name, d in drivers.items():
+            for part, samples in driver_overhead(d, 1).items():
+                overhead[name].setdefault(part, []).extend(samples)
     table = Table(title=f"per-batch sandbox overhead, n={n} (ms)")
     for col in ("what", "p50", "p99", "vs floor (p50)"):
         table.add_column(col, justify="left" if col == "what" else "right")

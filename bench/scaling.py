@@ -19,7 +19,7 @@ from bench.common import machine_info, save, scratch_schema
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.store.db import Database
 
-console = Console()
+console = Console(width=150)
 
 SEED = """
 INSERT INTO tenants (tenant_id)

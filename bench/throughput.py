@@ -15,7 +15,7 @@ from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import Registry
 from tenantq.sandbox.inline import InlineExecutor
 
-console = Console()
+console = Console(width=150)
 REGISTRY = Registry()
 
 
