@@ -144,8 +144,9 @@ def main(work_dir: str, ttl_seconds: float | None = None) -> int:
                       "error": f"timeout after {handler.timeout:g} s"}
         except MemoryError as exc:
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            detail = _describe(exc).split("\n", 1)[-1]
             record = {"id": job["id"], "status": "error", "reason": "oom",
-                      "error": f"oom: exceeded {handler.memory_mb} MiB ({_describe(exc)})"}
+                      "error": f"oom: exceeded {handler.memory_mb} MiB (MemoryError)\n{detail}"}
         except (TypeError, ValueError) as exc:
             record = {"id": job["id"], "status": "error", "reason": "exception", "error": _describe(exc)}
         except BaseException as exc:
