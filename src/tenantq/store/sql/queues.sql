@@ -26,35 +26,31 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- Queues of one class that may have runnable work, in round-robin order:
 -- from the cursor (inclusive: its turn may still be open) to the end, then
 -- from the start. It runs right after lock_cursor, as a new statement, so
--- the cursor it reads is the one the previous lock holder committed. Each
--- half is an index range scan over the partial index queues_with_work
--- (idle tenants are not in it, so they cost nothing) cut by LIMIT; one
--- ORDER BY over both halves would sort every queue with work instead.
--- `live` is only counted for capped tenants (a hint here; the picker
--- re-counts under the tenant's row lock before it claims).
-WITH cursor AS (
-    SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s
-), rotation AS (
-    (SELECT 0 AS half, q.tenant_id, q.deficit, q.avg_job_seconds
-     FROM queues q, cursor
-     WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id >= cursor.cursor_tenant
-       AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
-     ORDER BY q.tenant_id LIMIT %(limit)s)
-    UNION ALL
-    (SELECT 1 AS half, q.tenant_id, q.deficit, q.avg_job_seconds
-     FROM queues q, cursor
-     WHERE q.priority = %(priority)s AND q.has_work AND q.tenant_id < cursor.cursor_tenant
-       AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
-     ORDER BY q.tenant_id LIMIT %(limit)s)
-)
-SELECT r.tenant_id, r.deficit, r.avg_job_seconds, t.weight, t.max_sandboxes,
-       CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
-           (SELECT count(*) FROM batches b
-            WHERE b.tenant_id = r.tenant_id AND b.ended_at IS NULL
-              AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
-FROM rotation r
-JOIN tenants t USING (tenant_id)
-ORDER BY r.half, r.tenant_id;
+-- the cursor it reads is the one the previous lock holder committed. The partial index queues_with_work holds only queues with
+-- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
+-- counted for capped tenants (a hint here; the picker re-counts under the
+-- tenant's row lock before it claims).
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
+        CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
+            (SELECT count(*) FROM batches b
+             WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
+               AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
+ FROM queues q JOIN tenants t USING (tenant_id)
+ WHERE q.priority = %(priority)s AND q.has_work
+   AND q.tenant_id >= (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
+   AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY q.tenant_id LIMIT %(limit)s)
+UNION ALL
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
+        CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
+            (SELECT count(*) FROM batches b
+             WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
+               AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
+ FROM queues q JOIN tenants t USING (tenant_id)
+ WHERE q.priority = %(priority)s AND q.has_work
+   AND q.tenant_id < (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
+   AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+ ORDER BY q.tenant_id LIMIT %(limit)s);
 
 -- name: set_deficits
 UPDATE queues q
