@@ -172,10 +172,12 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None) ->
               help="Require this bearer token (or a login) for every page, action and /metrics.")
 def dashboard(host: str, port: int, token: str | None) -> None:
     """Serve the web dashboard (and /metrics): tenants, queues, running batches, failures, dead jobs."""
+    from tenantq.observe.logs import configure as configure_logs
     from tenantq.observe.metrics import asgi_app
     from tenantq.settings import Settings
     from tenantq.web.app import serve
 
+    configure_logs(None)  # so the URL line (and any warning) is shown
     if token is not None and not token:
         raise InvalidInput("--token must not be empty")
     with _queue() as q:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import signal
 import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -316,7 +317,16 @@ def serve(
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             log_config=_log_config(), ws="none", lifespan="off", server_header=False)
     server = uvicorn.Server(config)
-    asyncio.run(_serve(server, host, token is not None))
+    # uvicorn handles SIGTERM/SIGINT itself (graceful shutdown) and then
+    # re-raises the signal through the handler it found installed; a quiet
+    # handler here makes that a normal return, so the command exits 0.
+    previous = {sig: signal.signal(sig, lambda signum, frame: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        asyncio.run(_serve(server, host, token is not None))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 async def _serve(server: uvicorn.Server, host: str, has_token: bool) -> None:
