@@ -45,7 +45,7 @@ def test_priority() -> None:
 
 
 def test_payload_must_be_json_and_bounded() -> None:
-    assert validation.payload_json({"a": [1, 2]}) == '{"a":[1,2]}'
+    assert validation.payload_json({"a": [1, 2]}) == '{"a": [1, 2]}'
     with pytest.raises(InvalidInput, match="not JSON-serialisable"):
         validation.payload_json({1, 2})
     with pytest.raises(InvalidInput, match="not JSON-serialisable"):

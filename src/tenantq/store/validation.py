@@ -55,11 +55,11 @@ def payload_json(value: Any) -> str:
     ": " separators, UTF-8), which is what the payload_size CHECK measures.
     """
     try:
-        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        # serialised once, in Postgres' own rendering, and sent as is
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"payload is not JSON-serialisable: {exc}") from None
-    rendered = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
-    size = len(rendered.encode())
+    size = len(text.encode())
     if size > MAX_PAYLOAD_BYTES:
         raise InvalidInput(f"payload is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES}")
     return text
