@@ -45,7 +45,7 @@ def succeeded(job: ClaimedJob, result: Any, *, backoff: Backoff) -> Settlement:
     if size > MAX_RESULT_BYTES:
         return failed(job, f"result is {size} bytes of JSON; the limit is {MAX_RESULT_BYTES}",
                       backoff=backoff)
-    return Settlement(job_id=job.id, status="done", result=result)
+    return Settlement(job_id=job.id, status="done", result=result, result_json=text)
 
 
 def failed(

@@ -169,7 +169,9 @@ def settle(
                     "batch_id": batch_id,
                     "ids": [s.job_id for s in settlements],
                     "statuses": [s.status for s in settlements],
-                    "results": [None if s.status != "done" else Jsonb(s.result) for s in settlements],
+                    "results": [None if s.status != "done" else
+                                _jsonb_text(s.result_json) if s.result_json is not None else Jsonb(s.result)
+                                for s in settlements],
                     "errors": [s.error for s in settlements],
                     "delays": [s.delay for s in settlements],
                     "now": now,

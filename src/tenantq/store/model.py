@@ -56,6 +56,9 @@ class Settlement:
     result: Any = None
     error: str | None = None
     delay: float = 0.0
+    # the result already serialised (by the check that it can be stored), so
+    # the settle does not serialise it a second time
+    result_json: str | None = None
 
 
 @dataclass(frozen=True)
