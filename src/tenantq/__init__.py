@@ -21,7 +21,7 @@ from tenantq.errors import (
     LeaseLost,
     TenantqError,
 )
-from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler
+from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, warmup
 from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
@@ -55,4 +55,5 @@ __all__ = [
     "TenantqError",
     "__version__",
     "handler",
+    "warmup",
 ]

@@ -40,6 +40,9 @@ class Handler:
     isolation: Isolation
     # refuse to run in the dispatcher process even on an inline worker
     sandbox_only: bool = False
+    # "module:function" that prepares what this handler needs (imports, a
+    # loaded model); run once per sandbox parent, so templates capture it
+    warmup: str | None = None
 
 
 class Registry:
@@ -47,12 +50,42 @@ class Registry:
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        # warmup name -> the function when registered by decorator (None:
+        # resolve "module:function" on first use), in registration order
+        self._warmups: dict[str, Callable[[], Any] | None] = {}
 
     def add(self, handler: Handler) -> None:
         existing = self._handlers.get(handler.kind)
         if existing is not None and existing.func is not handler.func:
             raise InvalidInput(f"kind {handler.kind!r} already has a handler ({_name(existing.func)})")
         self._handlers[handler.kind] = handler
+        if handler.warmup is not None:
+            self._warmups.setdefault(handler.warmup, None)
+
+    def add_warmup(self, name: str, func: Callable[[], Any] | None = None) -> None:
+        self._warmups[name] = func
+
+    def warmups(self, kinds: list[str] | None = None) -> list[str]:
+        """Warmup names in registration order: app-level ones plus those of
+        the given kinds' handlers (all handlers when `kinds` is None)."""
+        if kinds is None:
+            return list(self._warmups)
+        wanted = {h.warmup for k in kinds if (h := self._handlers.get(k)) is not None and h.warmup}
+        per_handler = {h.warmup for h in self._handlers.values() if h.warmup}
+        return [n for n in self._warmups if n in wanted or n not in per_handler]
+
+    def resolve_warmup(self, name: str) -> Callable[[], Any]:
+        func = self._warmups.get(name)
+        if func is not None:
+            return func
+        module, _, attr = name.partition(":")
+        try:
+            target = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise InvalidInput(f"warmup {name!r}: {exc}") from None
+        if not callable(target):
+            raise InvalidInput(f"warmup {name!r} is not callable")
+        return target  # type: ignore[no-any-return]
 
     def get(self, kind: str) -> Handler | None:
         return self._handlers.get(kind)
@@ -74,13 +107,16 @@ def handler(
     memory_mb: int = 256,
     isolation: Isolation = "sandbox",
     sandbox_only: bool = False,
+    warmup: str | None = None,
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
     """Register `func(payload, ctx)` as the handler of `kind`.
 
     `isolation="inline"` marks a trusted first-party kind that may run in
     the dispatcher process; everything else runs sandboxed when the worker
-    has a sandbox driver.
+    has a sandbox driver. `warmup="module:function"` names code that imports
+    and prepares what the handler needs; it runs once per sandbox parent
+    (and is baked into the template snapshot), not once per job.
     """
     validation.kind(kind)
     if timeout <= 0:
@@ -89,12 +125,32 @@ def handler(
         raise InvalidInput(f"handler {kind!r}: memory_mb must be at least 16, got {memory_mb}")
     if isolation not in ("sandbox", "inline"):
         raise InvalidInput(f"handler {kind!r}: isolation must be 'sandbox' or 'inline'")
+    if warmup is not None and not _is_warmup_name(warmup):
+        raise InvalidInput(f"handler {kind!r}: warmup must be 'module:function', got {warmup!r}")
 
     def register(func: F) -> F:
-        (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only))
+        (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only,
+                                           warmup))
         return func
 
     return register
+
+
+W = TypeVar("W", bound=Callable[[], Any])
+
+
+def warmup(func: W) -> W:
+    """App-level warmup: `@tenantq.warmup` on a no-argument function that
+    imports and prepares what every handler needs. It runs once in each
+    sandbox parent before any batch (and in the template snapshot)."""
+    REGISTRY.add_warmup(f"{func.__module__}:{func.__qualname__}", func)
+    return func
+
+
+def _is_warmup_name(name: str) -> bool:
+    module, sep, attr = name.partition(":")
+    return bool(sep and module and attr.isidentifier()
+                and all(part.isidentifier() for part in module.split(".")))
 
 
 def load_app(module: str) -> str:

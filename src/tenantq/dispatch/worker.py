@@ -156,6 +156,9 @@ class Worker:
             if listener.is_alive():
                 listener.join()
             self._pool.close()
+            close = getattr(self.executor, "close", None)
+            if callable(close):
+                close()  # kept-warm sandboxes go with the worker
             if self.alerts.enabled:
                 self.alerts.close()
         log.info("worker %s stopped: %s", cfg.worker_id, self.stats.snapshot())
@@ -371,7 +374,8 @@ class BatchRun:
 
 
 def _driver_reaper(executor: BatchExecutor) -> Callable[[], list[str]] | None:
-    """A sandboxed executor's driver reaps sandboxes past their TTL."""
-    driver = getattr(executor, "driver", None)
-    reap = getattr(driver, "reap", None)
+    """A sandboxed executor reaps sandboxes past their TTL (and old snapshots)."""
+    reap = getattr(executor, "reap", None)
+    if not callable(reap):
+        reap = getattr(getattr(executor, "driver", None), "reap", None)
     return reap if callable(reap) else None

@@ -1,79 +1,129 @@
-"""The guest runner: runs one batch inside a sandbox. Stdlib only.
+"""The guest runner: the sandbox's long-lived parent. Stdlib only.
 
-    python runner.py WORK_DIR [--ttl SECONDS]   (secrets: one JSON line on stdin)
+    python -I -S runner.py BOOT_JSON
 
-Reads WORK_DIR/batch.json, imports the app (which registers handlers with
-`@tenantq.handler`), runs the jobs one by one and appends one flushed JSON
-line per job to WORK_DIR/results.jsonl when it starts and when it ends:
+Boot: put the app's code on sys.path, import the app (which registers its
+handlers), run its warmups, then write `{"status": "ready"}` to stdout and
+block reading stdin. This warm, idle parent is what a template snapshot
+captures, and what a kept-warm sandbox keeps between batches.
 
-    {"id": 7, "status": "started"}
-    {"id": 7, "status": "ok", "result": ..., "seconds": 0.01}
-    {"id": 7, "status": "error", "error": "...", "reason": "exception|timeout|oom|unknown_kind", ...}
+Each batch arrives on stdin as two frames (`%010d\\n` length + JSON): a
+command `{"ttl": seconds}` the parent reads, then the tenant's secrets, which
+only the forked batch child reads, so the parent (and any snapshot of it)
+never holds them. The child reseeds everything a restore or fork would
+duplicate, runs the jobs (guest/jobs.py) and exits; the parent waits for it
+(event-driven: SIGCHLD on a wakeup fd, stdin EOF), kills whatever the batch
+left running, empties /tmp and appends `{"status": "batch_end", ...}` to the
+work dir's results file. Batch k+1 therefore starts from the parent's
+pristine memory, an emptied /tmp and (the host empties it) a fresh work dir.
 
-so a sandbox that dies mid-batch loses no finished result and names the job
-it died on. Each handler's own timeout is enforced here with an interval
-timer (the host enforces the batch's wall-clock budget as a backstop) and its
-memory with RLIMIT_AS (the sandbox's memory cgroup is the backstop).
+Stdin EOF means the dispatcher is gone (its end of the pipe closed): the
+parent kills the running batch and exits, which ends the sandbox. Each batch
+also carries a TTL enforced by both the child (a watchdog thread) and the
+parent; the host reaper is the last backstop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
-import resource
+import select
 import signal
 import sys
 import time
-import traceback
-from types import FrameType
 from typing import Any
 
-TRACEBACK_LINES = 12
+HEADER_BYTES = 11  # b"%010d\n"
+WORK_DIR = "/tenantq/work"
+TMP_DIR = "/tmp"
+FATAL_EXIT = 3
 
 
-class JobTimeout(BaseException):
-    """Raised in the handler when its timeout fires (BaseException, so a
-    handler's `except Exception` cannot swallow it)."""
+class Frames:
+    """Length-prefixed frames from a file descriptor (no readline: a byte at a
+    time costs one system call each, which gVisor makes expensive)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def _exactly(self, count: int) -> bytes | None:
+        chunks: list[bytes] = []
+        while count:
+            chunk = os.read(self.fd, count)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            count -= len(chunk)
+        return b"".join(chunks)
+
+    def read(self) -> Any | None:
+        """The next frame's JSON value, or None at EOF."""
+        header = self._exactly(HEADER_BYTES)
+        if header is None:
+            return None
+        body = self._exactly(int(header))
+        return None if body is None else json.loads(body)
 
 
-def _on_alarm(signum: int, frame: FrameType | None) -> None:
-    raise JobTimeout()
+def _say(record: dict[str, Any]) -> None:
+    os.write(1, (json.dumps(record, default=repr) + "\n").encode())
 
 
-def _emit(out: Any, record: dict[str, Any]) -> None:
-    # flush, not fsync: the line only has to outlive the sandbox, and the
-    # work dir lives on the host (an fsync per line costs milliseconds)
-    out.write(json.dumps(record, default=repr) + "\n")
-    out.flush()
+def boot(config: dict[str, Any]) -> None:
+    # Started with -I -S: no site module, so none of the interpreter's own
+    # site-packages and no .pth processing (that alone costs ~0.35 s under
+    # gVisor). The app's code and its dependencies are put on sys.path here.
+    for entry in reversed([*config.get("sys_path", []), *config.get("site_dirs", [])]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    from tenantq.guest.jobs import describe
 
-
-def _describe(exc: BaseException) -> str:
-    head = f"{type(exc).__name__}: {exc}"
-    tail = traceback.format_exception(exc)[-TRACEBACK_LINES:]
-    return head + "\n" + "".join(tail).rstrip()
-
-
-def _address_space() -> int:
-    """Current virtual memory size of this process, in bytes."""
     try:
-        with open("/proc/self/statm") as fh:
-            pages = int(fh.read().split()[0])
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+        from tenantq.registry import REGISTRY
+
+        importlib.import_module(config["app"])
+    except BaseException as exc:
+        _say({"status": "fatal", "error": f"cannot import app {config['app']!r}: {describe(exc)}"[:3000]})
+        sys.exit(FATAL_EXIT)
+    try:
+        for name in REGISTRY.warmups():
+            REGISTRY.resolve_warmup(name)()
+    except BaseException as exc:
+        _say({"status": "fatal", "error": f"warmup {name!r} failed: {describe(exc)}"[:3000]})
+        sys.exit(FATAL_EXIT)
 
 
-def _limit_memory(memory_mb: int, baseline: int) -> None:
-    limit = baseline + memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+def _reseed() -> None:
+    """A restored image and a fork both duplicate the parent's PRNG states:
+    give this batch its own (os.urandom differs per restore and per fork)."""
+    import random
+
+    random.seed()
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile._name_sequence = None  # type: ignore[attr-defined]
 
 
-def _start_ttl_watchdog(seconds: float) -> None:
-    """The runner is the sandbox's init: when it exits, the sandbox ends. A
-    daemon thread ends it at the deadline even if the dispatcher is gone and
-    a job ignores every signal (the reaper is the backstop for a job that
-    starves this thread)."""
+def _child(stdin: Frames, ttl: float, ready_w: int) -> int:
+    """The batch child: read the secrets, tell the parent, run the jobs."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    secrets = {str(k): str(v) for k, v in (stdin.read() or {}).items()}
+    os.close(ready_w)  # the parent may watch stdin again: the secrets are consumed
+    os.environ.update(secrets)
+    _reseed()
+    _start_watchdog(ttl)
+    os.chdir(WORK_DIR)
+    from tenantq.guest.jobs import run_jobs
+
+    return run_jobs(WORK_DIR, secrets)
+
+
+def _start_watchdog(seconds: float) -> None:
+    """End this process at the deadline even if a job ignores every signal
+    (a thread, started after the fork: threads do not survive fork)."""
     import threading
 
     exit_now = os._exit  # bound before any tenant code runs
@@ -85,83 +135,127 @@ def _start_ttl_watchdog(seconds: float) -> None:
     threading.Thread(target=expire, name="ttl", daemon=True).start()
 
 
-def main(work_dir: str, ttl_seconds: float | None = None) -> int:
-    if ttl_seconds:
-        _start_ttl_watchdog(ttl_seconds)
-    # The tenant's secrets: one JSON line on stdin, never a file on disk.
-    secrets_line = sys.stdin.readline()
-    secrets = {str(k): str(v) for k, v in json.loads(secrets_line).items()} if secrets_line.strip() else {}
-    os.environ.update(secrets)
-    with open(os.path.join(work_dir, "batch.json")) as fh:
-        batch = json.load(fh)
-    # Started with -I -S: no site module, so none of the interpreter's own
-    # site-packages and no .pth processing (that alone costs ~0.35 s under
-    # gVisor). The app's code and its dependencies are put on sys.path here.
-    for entry in reversed([*batch.get("sys_path", []), *batch.get("site_dirs", [])]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    stop_file = os.path.join(work_dir, "stop")
-    signal.signal(signal.SIGALRM, _on_alarm)
-    out = open(os.path.join(work_dir, "results.jsonl"), "a")  # noqa: SIM115 (closed at the end; kept open)
-    try:
-        import tenantq
-        from tenantq.registry import REGISTRY, JobContext
-
-        importlib.import_module(batch["app"])
-        _ = tenantq  # the app imported it too; kept explicit for clarity
-    except BaseException as exc:
-        _emit(out, {"id": None, "status": "fatal", "error": f"cannot import app {batch['app']!r}: "
-                    + _describe(exc)})
-        return 3
-    baseline = _address_space()
-    runner_pid = os.getpid()
-    for job in batch["jobs"]:
-        if os.path.exists(stop_file):  # the host asked us to stop between jobs
-            break
-        _emit(out, {"id": job["id"], "status": "started"})
-        started = time.monotonic()
-        handler = REGISTRY.get(job["kind"])
-        if handler is None:
-            _emit(out, {"id": job["id"], "status": "error", "reason": "unknown_kind", "seconds": 0.0,
-                        "error": f"unknown kind {job['kind']!r}: no handler registered "
-                                 f"(known: {', '.join(REGISTRY.kinds()) or 'none'})"})
-            continue
-        ctx = JobContext(tenant=batch["tenant"], job_id=job["id"], attempt=job["attempt"], kind=job["kind"],
-                         max_attempts=job["max_attempts"], env=dict(secrets))
-        record: dict[str, Any]
+def _run_batch(stdin: Frames, ttl: float, wake_r: int) -> dict[str, Any]:
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        code = 70
         try:
-            _limit_memory(handler.memory_mb, baseline)
-            signal.setitimer(signal.ITIMER_REAL, handler.timeout)
-            try:
-                result = handler.func(job["payload"], ctx)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            json.dumps(result, allow_nan=False)  # fail here, not on the host, if unstorable
-            record = {"id": job["id"], "status": "ok", "result": result}
-        except JobTimeout:
-            record = {"id": job["id"], "status": "error", "reason": "timeout",
-                      "error": f"timeout after {handler.timeout:g} s"}
-        except MemoryError as exc:
-            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-            detail = _describe(exc).split("\n", 1)[-1]
-            record = {"id": job["id"], "status": "error", "reason": "oom",
-                      "error": f"oom: exceeded {handler.memory_mb} MiB (MemoryError)\n{detail}"}
-        except (TypeError, ValueError) as exc:
-            record = {"id": job["id"], "status": "error", "reason": "exception", "error": _describe(exc)}
-        except BaseException as exc:
-            record = {"id": job["id"], "status": "error", "reason": "exception", "error": _describe(exc)}
-        if os.getpid() != runner_pid:
-            # a process the handler forked got here (a fork bomb's child whose
-            # fork failed): it must never report or run the next job
-            os._exit(1)
-        record["seconds"] = time.monotonic() - started
-        _emit(out, record)
-    out.close()
-    return 0
+            code = _child(stdin, ttl, ready_w)
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(ready_w)
+    os.read(ready_r, 1)  # EOF once the child has the secrets (or died)
+    os.close(ready_r)
+    end = _supervise(pid, ttl, wake_r)
+    _clean_up()
+    return end
+
+
+def _supervise(pid: int, ttl: float, wake_r: int) -> dict[str, Any]:
+    deadline = time.monotonic() + ttl
+    watched = [0]
+    while True:
+        status = _reap(pid)
+        if status is not None:
+            if os.WIFSIGNALED(status):
+                return {"status": "batch_end", "signal": os.WTERMSIG(status)}
+            return {"status": "batch_end", "exit": os.waitstatus_to_exitcode(status)}
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _kill(pid)
+            return {"status": "batch_end", "timeout": ttl}
+        readable, _, _ = select.select([wake_r, *watched], [], [], remaining)
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        if 0 in readable:
+            if _pending_bytes(0) == 0:
+                # EOF: the dispatcher is gone, and so is this sandbox
+                _kill(pid)
+                _clean_up()
+                os._exit(0)
+            # data before batch_end is the host's next frame: leave it for
+            # the next read and stop watching stdin for this batch
+            watched = []
+
+
+def _pending_bytes(fd: int) -> int:
+    import fcntl
+    import termios
+
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+    except OSError:
+        return 0
+    return int.from_bytes(buf, sys.byteorder)
+
+
+def _reap(pid: int) -> int | None:
+    """Reap every exited child (as the container's init, orphans are ours
+    too); return `pid`'s wait status once it has exited."""
+    found: int | None = None
+    while True:
+        try:
+            child, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if child == 0:
+            return found
+        if child == pid:
+            found = status
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _clean_up() -> None:
+    """Nothing of a batch outlives it: kill every other process this uid can
+    signal (all but init and the parent) and empty /tmp."""
+    import shutil
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(-1, signal.SIGKILL)
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    for name in os.listdir(TMP_DIR):
+        path = os.path.join(TMP_DIR, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def serve(config: dict[str, Any]) -> int:
+    boot(config)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    stdin = Frames(0)
+    _say({"status": "ready", "pid": os.getpid()})
+    while True:
+        # Blocks without a timeout: a snapshot taken here restores into the
+        # same read, now on the restoring process's stdin (no clock to skew).
+        command = stdin.read()
+        if command is None:
+            return 0
+        end = _run_batch(stdin, float(command["ttl"]), wake_r)
+        with open(os.path.join(WORK_DIR, "results.jsonl"), "a") as out:
+            out.write(json.dumps(end) + "\n")
 
 
 if __name__ == "__main__":
-    # runner.py WORK_DIR [--ttl SECONDS]
-    ttl = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[2] == "--ttl" else None
-    sys.exit(main(sys.argv[1], ttl))
+    sys.exit(serve(json.loads(sys.argv[1])))

@@ -34,6 +34,12 @@ SANDBOX_CREATE = Histogram("tenantq_sandbox_create_seconds", "Time to create a s
                            buckets=TIME_BUCKETS, registry=REGISTRY)
 SANDBOX_DESTROY = Histogram("tenantq_sandbox_destroy_seconds", "Time to destroy a sandbox.", ["driver"],
                             buckets=TIME_BUCKETS, registry=REGISTRY)
+SANDBOX_STARTS = Counter("tenantq_sandbox_starts_total",
+                         "Sandboxes handed to a batch, by where they came from "
+                         "(cold boot, template restore, hibernated restore, kept warm).",
+                         ["driver", "origin"], registry=REGISTRY)
+SANDBOX_HIBERNATED = Counter("tenantq_sandbox_hibernated_total", "Idle sandboxes checkpointed to disk.",
+                             ["driver"], registry=REGISTRY)
 BATCH_OUTCOMES = Counter("tenantq_batch_outcomes_total", "Batches by how their sandbox ended.",
                          ["driver", "reason"], registry=REGISTRY)
 JOB_OUTCOMES = Counter("tenantq_job_outcomes_total", "Settled attempts by outcome (done, retry, dead).",

@@ -1,12 +1,15 @@
-"""Run a batch in a disposable sandbox and report each job as it goes.
+"""Run a batch in a sandbox of its tenant and report each job as it goes.
 
-The host writes the batch into the sandbox's private work dir, starts the
-guest runner with the tenant's secrets on its stdin, and tails the runner's
-results file while it runs, reporting every start and end at once. When the
-sandbox ends, whatever started and never ended is the job the sandbox died
-on: it fails with the classified reason (`oom: exceeded 256 MiB`, `timeout
-after 5 s`, `crashed: SIGSEGV`, ...). Jobs that never started are left for
-the dispatcher to release. The sandbox is destroyed every time.
+The batch gets a sandbox from `WarmStarts` (kept warm, hibernated, restored
+from the app's template, or booted cold), the host writes the batch into the
+sandbox's fresh work dir and sends the command and the tenant's secrets to
+the waiting guest runner, then tails the results file, reporting every job
+start and end at once. When the batch child is gone, whatever started and
+never ended is the job it died on: it fails with the classified reason
+(`oom: exceeded 256 MiB`, `timeout after 5 s`, `crashed: SIGSEGV`, ...).
+Jobs that never started are left for the dispatcher to release. The sandbox
+is then kept warm for the tenant's next batch or destroyed; after an OOM, a
+timeout or a crash it is always destroyed.
 
 Kinds whose handler is registered with isolation="inline" run in the
 dispatcher process (trusted first-party code: the shared-fleet path); the
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -25,11 +27,14 @@ from pathlib import Path
 
 from tenantq.observe import metrics
 from tenantq.registry import Registry
-from tenantq.sandbox.driver import GUEST_WORK_DIR, SandboxDriver
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
+from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.executor import Report
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import GuestPython, guest_python
+from tenantq.sandbox.results import ResultTail
+from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
+from tenantq.sandbox.warm import GuestServer, WarmPolicy, WarmStarts
 from tenantq.store.model import Batch, ClaimedJob
 
 log = logging.getLogger("tenantq.sandbox")
@@ -44,10 +49,13 @@ POLL_SECONDS = 0.01
 # How long past a handler's timeout the host waits for the guest's own timer
 # before it kills the sandbox.
 HOST_TIMEOUT_GRACE_SECONDS = 2.0
+# how long a batch child's end may take to be reported once the process is gone
+EXIT_WAIT_SECONDS = 30.0
 
 
 class SandboxExecutor:
     def __init__(self, driver: SandboxDriver, registry: Registry, app_module: str, *,
+                 policy: WarmPolicy | None = None,
                  tmp_mb: int = 64, max_pids: int = 512, cpus: float = 1.0) -> None:
         self.driver = driver
         self.name = driver.name
@@ -56,7 +64,28 @@ class SandboxExecutor:
         self.guest: GuestPython = guest_python(app_module)
         self.inline = InlineExecutor(registry)
         self.tmp_mb, self.max_pids, self.cpus = tmp_mb, max_pids, cpus
-        self.runner_path = str(_runner_path())
+        boot = {"app": app_module, "sys_path": list(self.guest.sys_path),
+                "site_dirs": list(self.guest.site_dirs)}
+        self.argv = [self.guest.executable, "-I", "-S", str(_runner_path()), json.dumps(boot)]
+        self.store = SnapshotStore(driver.data_dir, driver.name)
+        runsc = getattr(driver, "runsc", None)
+        self.runtime = runtime_version([runsc, "--version"]) if runsc else driver.name
+        self.warm = WarmStarts(driver, policy or WarmPolicy(), self.store, argv=self.argv,
+                               key=self.template_key, app=app_module)
+        # one memory limit for every sandbox of this app: a kept-warm or
+        # restored sandbox must fit any batch (RLIMIT_AS still holds each
+        # job to its own handler's limit)
+        sandboxed = [h.memory_mb for k in registry.kinds()
+                     if (h := registry.get(k)) is not None and h.isolation != "inline"]
+        self.memory_mb = max(sandboxed, default=256) + SANDBOX_OVERHEAD_MB
+
+    def template_key(self, spec: SandboxSpec) -> str:
+        return template_key(self.app_module, self.guest, spec, self.name, self.runtime)
+
+    def spec(self, tenant: str, ttl: float, labels: dict[str, str] | None = None) -> SandboxSpec:
+        return SandboxSpec(tenant=tenant, memory_mb=self.memory_mb, cpus=self.cpus, max_pids=self.max_pids,
+                           ttl_seconds=ttl, tmp_mb=self.tmp_mb, mounts=self.guest.mounts,
+                           labels=labels or {})
 
     def run(self, batch: Batch, *, env: Mapping[str, str], report: Report,
             should_stop: Callable[[], bool]) -> None:
@@ -67,6 +96,18 @@ class SandboxExecutor:
                             should_stop=should_stop)
         if boxed and not should_stop():
             self._run_sandboxed(replace(batch, jobs=tuple(boxed)), env, report, should_stop)
+
+    def reap(self) -> list[str]:
+        """Sandboxes past their TTL, then unused templates and old hibernated images."""
+        gone = self.driver.reap()
+        try:
+            current = {self.template_key(self.spec("template", 0))}
+        except OSError:
+            current = set()
+        return gone + self.store.gc(current=current)
+
+    def close(self) -> None:
+        self.warm.close()
 
     def _overrun(self, batch: Batch, tail: ResultTail) -> str | None:
         """'after N s' when the running job is past its handler's timeout plus grace."""
@@ -83,138 +124,88 @@ class SandboxExecutor:
         handler = self.registry.get(job.kind)
         return handler.isolation if handler is not None else "sandbox"
 
-    def _limits(self, jobs: tuple[ClaimedJob, ...]) -> tuple[int, float]:
-        memory = [h.memory_mb for j in jobs if (h := self.registry.get(j.kind))]
+    def _budget(self, jobs: tuple[ClaimedJob, ...]) -> float:
         timeouts = [h.timeout if (h := self.registry.get(j.kind)) else 60.0 for j in jobs]
-        return max(memory, default=256), sum(timeouts)
+        return sum(timeouts) + START_ALLOWANCE_SECONDS
 
     def _run_sandboxed(self, batch: Batch, env: Mapping[str, str], report: Report,
                        should_stop: Callable[[], bool]) -> None:
-        memory_mb, budget = self._limits(batch.jobs)
-        budget += START_ALLOWANCE_SECONDS
-        spec = SandboxSpec(tenant=batch.tenant_id, memory_mb=memory_mb + SANDBOX_OVERHEAD_MB, cpus=self.cpus,
-                           max_pids=self.max_pids, ttl_seconds=budget + 30, tmp_mb=self.tmp_mb,
-                           mounts=self.guest.mounts, labels={"batch": str(batch.batch_id)})
+        budget = self._budget(batch.jobs)
+        spec = self.spec(batch.tenant_id, budget + 30, {"batch": str(batch.batch_id)})
         created = time.monotonic()
-        sandbox = self.driver.create(spec)
+        server = self.warm.acquire(spec)
         metrics.SANDBOX_CREATE.labels(self.name).observe(time.monotonic() - created)
+        reusable = False
         try:
-            sandbox.put_file("batch.json", json.dumps({
-                "app": self.app_module, "tenant": batch.tenant_id,
-                "sys_path": list(self.guest.sys_path), "site_dirs": list(self.guest.site_dirs),
+            if server.batches:
+                server.reset_work_dir()
+                server.sandbox.extend_deadline(spec.ttl_seconds)
+            server.sandbox.put_file("batch.json", json.dumps({
+                "tenant": batch.tenant_id,
                 "jobs": [{"id": j.id, "kind": j.kind, "payload": j.payload, "attempt": j.attempt,
                           "max_attempts": j.max_attempts} for j in batch.jobs],
             }).encode())
-            outcome: dict[str, ExecResult] = {}
-
-            def start() -> None:
-                outcome["result"] = sandbox.run(
-                    [self.guest.executable, "-I", "-S", self.runner_path, GUEST_WORK_DIR,
-                     "--ttl", f"{spec.ttl_seconds:.0f}"],
-                    timeout=budget, stdin=(json.dumps(dict(env)) + "\n").encode(), self_limiting=True)
-
-            runner = threading.Thread(target=start, name=f"sandbox-{sandbox.id}", daemon=True)
-            runner.start()
-            tail = ResultTail(sandbox.work_dir / "results.jsonl", report, [j.id for j in batch.jobs])
-            asked_to_stop = False
-            overrun: str | None = None
-            while runner.is_alive():
-                tail.poll()
-                if not asked_to_stop and should_stop():
-                    # finish the running job, start no other
-                    sandbox.put_file("stop", b"")
-                    asked_to_stop = True
-                if overrun is None and (overrun := self._overrun(batch, tail)) is not None:
-                    # the guest's own timer did not stop it (signals blocked,
-                    # stuck in C code): the host ends the sandbox
-                    sandbox.kill()
-                runner.join(POLL_SECONDS)
-            tail.poll()
-            result = outcome.get("result")
-            end = result.end if result is not None else End("crashed", detail="sandbox runner failed")
-            if overrun is not None:
-                end = End("timeout", detail=overrun)
+            tail = ResultTail(server.sandbox.work_dir / "results.jsonl", report, [j.id for j in batch.jobs])
+            server.send(spec.ttl_seconds, dict(env))
+            end, result = self._follow(server, batch, tail, budget, should_stop)
             tail.finish(end, result)
             metrics.BATCH_OUTCOMES.labels(self.name, metrics.batch_reason(end.kind)).inc()
+            reusable = end.ok and not tail.tainted and tail.batch_end is not None
+            if server.origin in ("template", "hibernated") and not tail.started and result is not None:
+                # the restored sandbox died before its first job: that image is broken
+                self._restore_failed(server, result)
         finally:
             destroying = time.monotonic()
-            sandbox.destroy()
+            self.warm.release(server, reusable=reusable)
             metrics.SANDBOX_DESTROY.labels(self.name).observe(time.monotonic() - destroying)
 
+    def _follow(self, server: GuestServer, batch: Batch, tail: ResultTail, budget: float,
+                should_stop: Callable[[], bool]) -> tuple[End, ExecResult | None]:
+        """Tail the results until the guest parent reports the batch's end or
+        the sandbox is gone; stop between jobs when asked; kill on overrun."""
+        running = server.running
+        deadline = time.monotonic() + budget
+        asked_to_stop = False
+        result: ExecResult | None = None
+        while True:
+            tail.poll()
+            if tail.batch_end is not None:
+                break
+            if not asked_to_stop and should_stop():
+                # finish the running job, start no other
+                server.sandbox.put_file("stop", b"")
+                asked_to_stop = True
+            overrun = self._overrun(batch, tail)
+            if overrun is None and time.monotonic() > deadline:
+                overrun = f"after {budget:g} s (batch budget)"
+            if overrun is not None:
+                # the guest's own timer did not stop it (signals blocked, stuck
+                # in C code): the host ends the sandbox
+                result = running.stop(overrun)
+                tail.poll()
+                return result.end, result
+            result = running.wait(POLL_SECONDS)
+            if result is not None:
+                tail.poll()
+                tail.read_fatal(result.stdout)
+                break
+        guest_end = tail.end_from_guest()
+        if guest_end is None:
+            assert result is not None
+            return result.end, result
+        if guest_end.kind == "signal" and guest_end.signal == 9 and server.sandbox.oom_killed():
+            guest_end = End("oom", exit_code=guest_end.exit_code,
+                            detail=f"exceeded {server.sandbox.spec.memory_mb} MiB")
+        return guest_end, result
 
-class ResultTail:
-    """Follows the guest's results file and turns lines into reports."""
-
-    def __init__(self, path: Path, report: Report, job_ids: list[int]) -> None:
-        self.path = path
-        self.report = report
-        self.job_ids = job_ids
-        self.offset = 0
-        self.buffer = b""
-        self.running: int | None = None
-        self.fatal: str | None = None
-        self.started: set[int] = set()
-        self.ended: set[int] = set()
-        self.running_since: float = 0.0
-
-    def poll(self) -> None:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read()
-        except FileNotFoundError:
-            return
-        self.offset += len(chunk)
-        self.buffer += chunk
-        *lines, self.buffer = self.buffer.split(b"\n")
-        for line in lines:
-            if line.strip():
-                self._handle(json.loads(line))
-
-    def _handle(self, record: dict[str, object]) -> None:
-        status = record.get("status")
-        if status == "fatal":
-            self.fatal = str(record.get("error"))
-            return
-        job_id = int(str(record["id"]))
-        if status == "started":
-            if job_id in self.started or job_id not in self.job_ids:
-                return
-            self.running = job_id
-            self.started.add(job_id)
-            self.running_since = time.monotonic()
-            self.report(JobStarted(job_id))
-            return
-        if job_id in self.ended or job_id not in self.job_ids:
-            return  # never settle a job twice, nor one of another batch
-        self.ended.add(job_id)
-        self.running = None
-        seconds = float(str(record.get("seconds", 0.0)))
-        if status == "ok":
-            self.report(JobEnded(job_id, ok=True, result=record.get("result"), seconds=seconds))
+    def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:
+        detail = f"{result.end.reason()}: {result.stderr.strip()[-300:]}"
+        if server.origin == "template":
+            self.store.remove(server.key)
+            self.warm.disable_snapshots(f"a sandbox restored from template {server.key} failed ({detail})")
         else:
-            self.report(JobEnded(job_id, ok=False, error=str(record.get("error")), seconds=seconds))
-
-    def finish(self, end: End, result: ExecResult | None) -> None:
-        """The sandbox is gone: fail the job it died on with the reason."""
-        if self.running is not None:
-            reason = end.reason() if not end.ok else "the sandbox ended while the job was running"
-            self.report(JobEnded(self.running, ok=False, error=reason,
-                                 seconds=time.monotonic() - self.running_since))
-            self.running = None
-        if self.fatal:
-            # the app cannot even be imported in the sandbox: every job of
-            # the batch fails (and reaches dead after its attempts) instead of
-            # being released into a hot loop
-            for job_id in self.job_ids:
-                if job_id not in self.started:
-                    self.report(JobStarted(job_id))
-                    self.report(JobEnded(job_id, ok=False, error=self.fatal))
-        elif not self.started and not end.ok:
-            # the sandbox itself failed before the first job: the jobs are
-            # released by the dispatcher without losing an attempt
-            log.error("sandbox failed before its first job: %s; stderr: %s", end.reason(),
-                      result.stderr[-500:] if result else "")
+            log.warning("a sandbox restored from hibernation failed (%s); cold starts for %s",
+                        detail, server.tenant)
 
 
 def _runner_path() -> Path:

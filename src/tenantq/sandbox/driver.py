@@ -11,12 +11,33 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.spec import ExecResult, SandboxSpec
 
 GUEST_WORK_DIR = "/tenantq/work"
+
+
+class Running(Protocol):
+    """A process started in a sandbox whose stdin pipe stays open: how a
+    warm guest runner receives batch after batch."""
+
+    def write(self, data: bytes) -> bool: ...
+
+    def close_stdin(self) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def stdout(self) -> str: ...
+
+    def wait(self, timeout: float) -> ExecResult | None:
+        """The classified end, or None while it still runs after `timeout`."""
+        ...
+
+    def stop(self, detail: str) -> ExecResult:
+        """Kill it for overrunning; the end is a timeout with `detail`."""
+        ...
 
 
 class Sandbox(Protocol):
@@ -39,6 +60,17 @@ class Sandbox(Protocol):
         """
         ...
 
+    def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+              self_limiting: bool = False) -> Running:
+        """Start a command and return at once; run() is start + feed + wait."""
+        ...
+
+    def extend_deadline(self, seconds: float) -> None:
+        """Push the TTL (what the reaper reads) to `seconds` from now."""
+        ...
+
+    def oom_killed(self) -> bool: ...
+
     def kill(self) -> None:
         """Kill whatever runs in the sandbox now (its run() then returns)."""
         ...
@@ -50,12 +82,29 @@ class Sandbox(Protocol):
 
 class SandboxDriver(Protocol):
     name: str
+    data_dir: Path
+    # can it checkpoint a running sandbox and restore new ones from the image?
+    snapshots: bool
 
     def create(self, spec: SandboxSpec) -> Sandbox: ...
 
     def reap(self) -> list[str]:
         """Destroy sandboxes of this driver past their TTL (found by label),
         and stale runtime state. Returns the ids removed."""
+        ...
+
+
+@runtime_checkable
+class SnapshotSandbox(Protocol):
+    def checkpoint(self, image: Path) -> None:
+        """Save what runs to `image` (a new dir) and stop it; SnapshotFailed if not possible."""
+        ...
+
+
+@runtime_checkable
+class SnapshotDriver(Protocol):
+    def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[Sandbox, Running]:
+        """A new sandbox whose processes resume from `image`."""
         ...
 
 

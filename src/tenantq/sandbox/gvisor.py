@@ -22,16 +22,26 @@ from typing import Any
 
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs, owner_alive, read_meta
+from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs, owner_alive, read_meta
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
-from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec
+from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, SnapshotFailed
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
 
+class GVisorRunning(Running):
+    def _result(self, returncode: int, end: End) -> ExecResult:
+        result = super()._result(returncode, end)
+        if result.end.kind == "exit" and returncode == 2 and "panic" in result.stderr.lower():
+            end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
+            return ExecResult(result.exit_code, result.stdout, result.stderr, end)
+        return result
+
+
 class GVisorDriver:
     name = "gvisor"
+    snapshots = True
 
     def __init__(self, data_dir: Path, *, runsc: str | None = None) -> None:
         self.data_dir = data_dir
@@ -42,6 +52,15 @@ class GVisorDriver:
 
     def runsc_cmd(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none", *args]
+
+    def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[GVisorSandbox, Running]:
+        """A new sandbox whose processes resume from a checkpoint image."""
+        sandbox = self.create(spec)
+        try:
+            return sandbox, sandbox.restore(image, argv)
+        except BaseException:
+            sandbox.destroy()
+            raise
 
     def create(self, spec: SandboxSpec) -> GVisorSandbox:
         check_mounts(spec.mounts)
@@ -76,7 +95,7 @@ class GVisorDriver:
             # cleaned up by its own `runsc run`; leave it alone
             orphaned = status == "stopped" and not owner_alive(meta)
             if expired or orphaned:
-                subprocess.run(self.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
+                subprocess.run(self.runsc_cmd("kill", cid, "KILL"), capture_output=True, timeout=30)
                 subprocess.run(self.runsc_cmd("delete", "--force", cid), capture_output=True, timeout=30)
                 removed.append(cid)
         for path in expired_dirs(self.base):
@@ -149,49 +168,77 @@ class GVisorSandbox(HostSandbox):
                             **{f"tenantq.label.{k}": v for k, v in spec.labels.items()}},
         }
 
-    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+    def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+              self_limiting: bool = False) -> Running:
+        self.runs += 1
+        return self._launch(f"{self.id}-{self.runs}", argv, env or {}, self_limiting, "run")
+
+    def restore(self, image: Path, argv: list[str]) -> Running:
+        """Start this (new) sandbox from a checkpoint image instead of booting:
+        the image's processes resume, reading this sandbox's stdin."""
+        self.runs += 1
+        return self._launch(f"{self.id}-{self.runs}", argv, {}, True, "restore", "--image-path", str(image))
+
+    def checkpoint(self, image: Path) -> None:
+        """Save the running container to `image` (a new directory); this
+        stops it. Raises SnapshotFailed with runsc's reason."""
+        cid, proc = self._running, self._proc
+        if cid is None or proc is None:
+            raise SnapshotFailed("nothing runs in this sandbox to checkpoint")
+        image.mkdir(parents=True)
+        done = subprocess.run(self.driver.runsc_cmd("checkpoint", "--image-path", str(image), cid),
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise SnapshotFailed(f"runsc checkpoint failed: {done.stderr.strip()[-300:]}")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)  # the checkpoint stopped it
+        self._running = None
+        self._dirty.append(cid)
+
+    def _launch(self, cid: str, argv: list[str], env: dict[str, str], self_limiting: bool,
+                *command: str) -> Running:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
-        self.runs += 1
-        cid = f"{self.id}-{self.runs}"
-        config = self._config(cid, argv, env or {}, self_limiting=self_limiting)
+        config = self._config(cid, argv, env, self_limiting=self_limiting)
         (self.path / "config.json").write_text(json.dumps(config))
         out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
         # runsc hands its stdio to the container: regular files in append
         # mode, never pipes we would have to drain (see notes/gvisor.md)
         with open(out_path, "ab") as out, open(err_path, "ab") as err:
-            proc = subprocess.Popen(self.driver.runsc_cmd("run", "--bundle", str(self.path), cid),
-                                    stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True)
+            proc = subprocess.Popen(
+                self.driver.runsc_cmd(*command[:1], *command[1:], "--bundle", str(self.path), cid),
+                stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True)
         self._proc, self._running = proc, cid
 
         def kill() -> None:
             self._kill(cid)
-            self._dirty.append(cid)
+            if cid not in self._dirty:
+                self._dirty.append(cid)
 
-        try:
-            result = self._supervise(proc, stdin, timeout, kill, out_path, err_path)
-        finally:
-            self._running = None
-        if result.end.kind == "exit" and result.exit_code == 2 and "panic" in result.stderr.lower():
-            end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
-            result = ExecResult(result.exit_code, result.stdout, result.stderr, end)
-        return result
+        return GVisorRunning(self, proc, out_path, err_path, kill)
+
+    def _live(self) -> str | None:
+        """The container that still runs (`runsc run` deletes one that exits)."""
+        if self._running is not None and self._proc is not None and self._proc.poll() is None:
+            return self._running
+        return None
 
     def kill(self) -> None:
-        cid = self._running
+        cid = self._live()
         if cid is not None:
             self._kill(cid)
             self._dirty.append(cid)
 
     def _kill(self, cid: str) -> None:
-        subprocess.run(self.driver.runsc_cmd("kill", "--all", cid, "KILL"), capture_output=True, timeout=30)
+        # SIGKILL to the container's init ends its pid namespace, so every
+        # process in it (`kill --all` does not stop a restored container)
+        subprocess.run(self.driver.runsc_cmd("kill", cid, "KILL"), capture_output=True, timeout=30)
 
     def destroy(self) -> None:
         if self.destroyed:
             return
         self.destroyed = True
-        proc, cid = self._proc, self._running
+        proc, cid = self._proc, self._live()
         if cid is not None:
             self._kill(cid)
             self._dirty.append(cid)
@@ -204,4 +251,4 @@ class GVisorSandbox(HostSandbox):
         self._remove_host_state()
 
 
-__all__ = ["GVisorDriver", "GVisorSandbox", "Mount"]
+__all__ = ["GVisorDriver", "GVisorSandbox", "Mount", "SnapshotFailed"]

@@ -37,6 +37,10 @@ class HostSandbox:
             "labels": spec.labels, "created": time.time(), "dispatcher_pid": os.getpid(),
         }))
 
+    def oom_killed(self) -> bool:
+        """Did the memory cgroup kill something here for exceeding the limit?"""
+        return self.box.oom_killed(self.spec.memory_mb << 20)
+
     def remaining_ttl(self) -> float:
         return max(0.0, self.deadline - time.time())
 
@@ -57,32 +61,86 @@ class HostSandbox:
     def get_file(self, name: str) -> bytes:
         return self._safe_name(name).read_bytes()
 
-    def _supervise(self, proc: subprocess.Popen[bytes], stdin: bytes, timeout: float,
-                   kill: Callable[[], None], out_path: Path, err_path: Path) -> ExecResult:
-        """Feed stdin, wait up to the budget (killing on overrun) and classify
-        the end: the part of run() every host-side driver shares."""
-        assert proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.write(stdin)
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.close()
+    def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+              self_limiting: bool = False) -> Running:
+        raise NotImplementedError
+
+    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+        """start(), feed stdin and close it, wait up to the budget (killing on
+        overrun) and classify the end."""
+        running = self.start(argv, env=env, self_limiting=self_limiting)
+        running.write(stdin)
+        running.close_stdin()
         budget = min(timeout, self.remaining_ttl())
-        status = wait_exit(proc, budget)
-        if status is None:
-            kill()
-            returncode = proc.wait(timeout=30)
-            end = End("timeout", exit_code=returncode, detail=f"after {budget:g} s")
-        else:
-            returncode = status
-            end = classify_exit(returncode)
-            if end.kind == "signal" and end.signal == 9 and self.box.oom_killed(self.spec.memory_mb << 20):
-                end = End("oom", exit_code=returncode, detail=f"exceeded {self.spec.memory_mb} MiB")
-        return ExecResult(exit_code=returncode, stdout=tail(out_path.read_bytes()),
-                          stderr=tail(err_path.read_bytes()), end=end)
+        result = running.wait(budget)
+        return result if result is not None else running.stop(f"after {budget:g} s")
+
+    def extend_deadline(self, seconds: float) -> None:
+        """A kept-warm sandbox lives on: move the deadline the reaper reads."""
+        self.deadline = time.time() + seconds
+        meta = read_meta(self.path) or {}
+        meta["deadline"] = self.deadline
+        (self.path / META_FILE).write_text(json.dumps(meta))
 
     def _remove_host_state(self) -> None:
+        if self._proc is not None and self._proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
         self.box.remove()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+class Running:
+    """A process started in a sandbox, with its stdin pipe still open (how
+    a warm guest runner gets its next batch)."""
+
+    def __init__(self, sandbox: HostSandbox, proc: subprocess.Popen[bytes], out_path: Path, err_path: Path,
+                 kill: Callable[[], None]) -> None:
+        self.sandbox = sandbox
+        self.proc = proc
+        self.out_path = out_path
+        self.err_path = err_path
+        self._kill = kill
+
+    def write(self, data: bytes) -> bool:
+        """False when the process no longer reads its stdin (it is gone)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            return False
+        return True
+
+    def close_stdin(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                self.proc.stdin.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stdout(self) -> str:
+        return tail(self.out_path.read_bytes()) if self.out_path.exists() else ""
+
+    def wait(self, timeout: float) -> ExecResult | None:
+        """The classified end, or None if it still runs after `timeout`."""
+        status = wait_exit(self.proc, timeout)
+        return None if status is None else self._result(status, classify_exit(status))
+
+    def stop(self, detail: str) -> ExecResult:
+        """Kill it (it overran) and return the end as a timeout."""
+        self._kill()
+        returncode = self.proc.wait(timeout=30)
+        return self._result(returncode, End("timeout", exit_code=returncode, detail=detail))
+
+    def _result(self, returncode: int, end: End) -> ExecResult:
+        self.close_stdin()
+        if end.kind == "signal" and end.signal == 9 and self.sandbox.oom_killed():
+            end = End("oom", exit_code=returncode, detail=f"exceeded {self.sandbox.spec.memory_mb} MiB")
+        return ExecResult(exit_code=returncode, stdout=tail(self.out_path.read_bytes()),
+                          stderr=tail(self.err_path.read_bytes()), end=end)
 
 
 def read_meta(path: Path) -> dict[str, object] | None:

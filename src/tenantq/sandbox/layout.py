@@ -44,6 +44,8 @@ class GuestPython:
     mounts: tuple[Mount, ...]
     sys_path: tuple[str, ...]
     site_dirs: tuple[str, ...]
+    # tenantq's own package and the app's code: what a template's key hashes
+    code_paths: tuple[str, ...] = ()
 
 
 def _covered(path: str, mounted: list[str]) -> bool:
@@ -71,6 +73,7 @@ def guest_python(app_module: str | None) -> GuestPython:
     tenantq_parent = str(Path(__file__).resolve().parent.parent.parent)
     add(str(Path(tenantq_parent) / "tenantq"))
     sys_path.append(tenantq_parent)
+    code_paths = [str(Path(tenantq_parent) / "tenantq")]
     if app_module:
         top = app_module.split(".")[0]
         spec = importlib.util.find_spec(top)
@@ -81,7 +84,8 @@ def guest_python(app_module: str | None) -> GuestPython:
                 location = os.path.realpath(spec.origin or "")
             add(location)
             sys_path.append(os.path.dirname(location))
-    return GuestPython(executable, tuple(mounts), tuple(sys_path), tuple(site_dirs))
+            code_paths.append(location)
+    return GuestPython(executable, tuple(mounts), tuple(sys_path), tuple(site_dirs), tuple(code_paths))
 
 
 def check_mounts(mounts: tuple[Mount, ...]) -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, expired_dirs
+from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs
 from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
-from tenantq.sandbox.spec import ExecResult, SandboxSpec
+from tenantq.sandbox.spec import SandboxSpec
 
 PROCESS_MAX_PIDS = 64
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -34,6 +34,8 @@ ENTER_CGROUPS = 'IFS=:; for f in $TQ_CGROUP_PROCS; do ' \
 
 class ProcessDriver:
     name = "process"
+    # bubblewrap has no checkpoint/restore: keep-warm works, templates do not
+    snapshots = False
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -94,8 +96,8 @@ class ProcessSandbox(HostSandbox):
         init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
         return [*args, "--", *init]
 
-    def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+    def start(self, argv: list[str], *, env: dict[str, str] | None = None,
+              self_limiting: bool = False) -> Running:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
         self.runs += 1
@@ -112,7 +114,7 @@ class ProcessSandbox(HostSandbox):
             self.box.kill_all()
             proc.kill()
 
-        return self._supervise(proc, stdin, timeout, kill, out_path, err_path)
+        return Running(self, proc, out_path, err_path, kill)
 
     def kill(self) -> None:
         self.box.kill_all()

@@ -12,6 +12,10 @@ EndKind = Literal["ok", "exit", "timeout", "oom", "signal", "crashed"]
 TAIL_BYTES = 4096
 
 
+class SnapshotFailed(Exception):
+    """Checkpoint or restore does not work (here, or for this app)."""
+
+
 @dataclass(frozen=True)
 class Mount:
     """A host path made visible read-only inside the sandbox."""

@@ -1,0 +1,292 @@
+"""Where a batch's sandbox comes from, and where it goes afterwards.
+
+`WarmStarts.acquire(tenant)` tries, in order:
+1. an idle kept-warm sandbox of this tenant (never another tenant's) made
+   from the current template key;
+2. this tenant's hibernated image;
+3. a restore from the template (built on first use: boot, warm up, checkpoint);
+4. a cold boot of the guest runner.
+Snapshots (2, 3) need a driver that can checkpoint (gVisor); where they fail
+tenantq says so once and goes on with cold boots. The process driver keeps
+sandboxes warm but has no snapshots.
+
+`release(server, reusable)` puts a sandbox back for `--keep-warm` seconds,
+up to `--max-batches-per-sandbox` batches, or destroys it: a sandbox that saw
+an OOM, a timeout or a crash is never reused. A pool thread destroys idle
+sandboxes at the keep-warm limit, or hibernates them (checkpoint to disk,
+destroy) after `--hibernate-after`, so an idle tenant costs disk, not memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from tenantq.errors import InvalidInput
+from tenantq.observe import metrics
+from tenantq.sandbox.driver import Running, Sandbox, SandboxDriver, SnapshotDriver, SnapshotSandbox
+from tenantq.sandbox.snapshots import SnapshotStore, Template
+from tenantq.sandbox.spec import SandboxSpec, SnapshotFailed
+
+log = logging.getLogger("tenantq.sandbox")
+
+Origin = Literal["cold", "template", "hibernated", "warm"]
+READY_TIMEOUT_SECONDS = 120.0
+READY_POLL_SECONDS = 0.01
+GRACEFUL_EXIT_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class WarmPolicy:
+    snapshots: bool = True
+    keep_warm_seconds: float = 0.0
+    max_batches: int = 50
+    hibernate_after: float | None = None
+    # idle sandboxes kept per worker (each holds memory)
+    max_idle: int = 8
+
+    def __post_init__(self) -> None:
+        if self.keep_warm_seconds < 0:
+            raise InvalidInput(f"--keep-warm must be 0 or more seconds, got {self.keep_warm_seconds:g}")
+        if self.max_batches < 1:
+            raise InvalidInput(f"--max-batches-per-sandbox must be at least 1, got {self.max_batches}")
+        if self.hibernate_after is not None and not 0 < self.hibernate_after < self.keep_warm_seconds:
+            raise InvalidInput("--hibernate-after must be more than 0 and less than --keep-warm "
+                               f"({self.hibernate_after:g} vs {self.keep_warm_seconds:g})")
+
+
+def frame(value: object) -> bytes:
+    """One message to the guest runner: a fixed-size length line, then JSON."""
+    body = json.dumps(value).encode()
+    return b"%010d\n" % len(body) + body
+
+
+@dataclass
+class GuestServer:
+    """A sandbox whose guest runner waits for batches on its stdin."""
+
+    sandbox: Sandbox
+    running: Running
+    origin: Origin
+    key: str
+    tenant: str
+    # a hibernated image this sandbox was restored from: removed once the
+    # restore has surely finished reading it (after the first batch)
+    consumed_image: Path | None = None
+    batches: int = 0
+    idle_since: float = field(default_factory=time.monotonic)
+
+    def send(self, ttl: float, secrets: dict[str, str]) -> bool:
+        """The batch command, then the secrets (only the batch child reads them)."""
+        return self.running.write(frame({"ttl": ttl}) + frame(secrets))
+
+    def reset_work_dir(self) -> None:
+        """Batch k+1 sees nothing of batch k's work dir."""
+        for path in self.sandbox.work_dir.iterdir():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+    def destroy(self) -> None:
+        if self.running.alive():
+            # EOF tells an idle guest runner to exit: the cheapest clean end
+            self.running.close_stdin()
+            self.running.wait(GRACEFUL_EXIT_SECONDS)
+        self.sandbox.destroy()
+        if self.consumed_image is not None:
+            shutil.rmtree(self.consumed_image, ignore_errors=True)
+            self.consumed_image = None
+
+
+class WarmStarts:
+    def __init__(self, driver: SandboxDriver, policy: WarmPolicy, store: SnapshotStore, *,
+                 argv: list[str], key: Callable[[SandboxSpec], str], app: str) -> None:
+        self.driver = driver
+        self.policy = policy
+        self.store = store
+        self.argv = argv
+        self.key_of = key
+        self.app = app
+        self._idle: list[GuestServer] = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.snapshots = policy.snapshots and driver.snapshots and isinstance(driver, SnapshotDriver)
+        self.hibernation = self.snapshots and policy.hibernate_after is not None
+        if policy.snapshots and not driver.snapshots:
+            log.warning("sandbox %s cannot checkpoint/restore: no templates, every sandbox boots cold%s",
+                        driver.name, " (kept warm between batches)" if policy.keep_warm_seconds else "")
+        if policy.hibernate_after is not None and not self.hibernation:
+            log.warning("--hibernate-after needs snapshots (gvisor): idle sandboxes are destroyed instead")
+
+    # -- getting a sandbox ---------------------------------------------------
+    def acquire(self, spec: SandboxSpec) -> GuestServer:
+        key = self.key_of(spec)
+        with self._lock:
+            for server in self._idle:
+                if server.tenant == spec.tenant and server.key == key:
+                    self._idle.remove(server)
+                    if server.running.alive():
+                        server.origin = "warm"
+                        return self._count(server)
+                    server.destroy()
+                    break
+        if self.hibernation:
+            image = self.store.take_hibernated(spec.tenant, key)
+            if image is not None:
+                try:
+                    return self._count(self._restore(spec, image / "image", "hibernated", key, image))
+                except (SnapshotFailed, OSError) as exc:
+                    log.warning("could not restore hibernated sandbox of %s: %s", spec.tenant, exc)
+                    shutil.rmtree(image, ignore_errors=True)
+        if self.snapshots:
+            template = self.template(spec, key)
+            if template is not None:
+                self.store.touch(template)
+                return self._count(self._restore(spec, template.image, "template", key))
+        sandbox = self.driver.create(spec)
+        try:
+            running = sandbox.start(self.argv, self_limiting=True)
+        except BaseException:
+            sandbox.destroy()
+            raise
+        return self._count(GuestServer(sandbox, running, "cold", key, spec.tenant))
+
+    def _count(self, server: GuestServer) -> GuestServer:
+        metrics.SANDBOX_STARTS.labels(self.driver.name, server.origin).inc()
+        return server
+
+    def _restore(self, spec: SandboxSpec, image: Path, origin: Origin, key: str,
+                 consumed: Path | None = None) -> GuestServer:
+        assert isinstance(self.driver, SnapshotDriver)
+        sandbox, running = self.driver.restore(spec, image, self.argv)
+        return GuestServer(sandbox, running, origin, key, spec.tenant, consumed_image=consumed)
+
+    def template(self, spec: SandboxSpec, key: str | None = None) -> Template | None:
+        """The template for this spec's key, built if missing; None (said
+        once) where snapshots do not work."""
+        key = key or self.key_of(spec)
+        meta = {"app": self.app, "memory_mb": spec.memory_mb, "cpus": spec.cpus, "max_pids": spec.max_pids}
+        try:
+            return self.store.get_or_build(key, meta, lambda image: self._build(spec, key, image))
+        except (SnapshotFailed, OSError) as exc:
+            self.disable_snapshots(f"building the template failed: {exc}")
+            return None
+
+    def _build(self, spec: SandboxSpec, key: str, image: Path) -> None:
+        """Boot the guest runner, wait until it is warm and idle, checkpoint it."""
+        started = time.monotonic()
+        sandbox = self.driver.create(replace(spec, tenant="template", labels={"template": key}))
+        try:
+            running = sandbox.start(self.argv, self_limiting=True)
+            deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+            while '"status": "ready"' not in running.stdout():
+                result = running.wait(READY_POLL_SECONDS)
+                if result is not None:
+                    raise SnapshotFailed(f"the guest runner exited while warming up ({result.end.reason()}): "
+                                         f"{(result.stdout or result.stderr).strip()[-500:]}")
+                if time.monotonic() > deadline:
+                    raise SnapshotFailed(f"the guest runner was not ready in {READY_TIMEOUT_SECONDS:g} s")
+            assert isinstance(sandbox, SnapshotSandbox)
+            sandbox.checkpoint(image)
+        finally:
+            sandbox.destroy()
+        log.info("built template %s for %s in %.2f s", key, self.app, time.monotonic() - started)
+
+    def disable_snapshots(self, reason: str) -> None:
+        if self.snapshots:
+            log.warning("sandbox snapshots off for this worker: %s; using cold starts", reason)
+        self.snapshots = False
+        self.hibernation = False
+
+    # -- giving it back ------------------------------------------------------
+    def release(self, server: GuestServer, *, reusable: bool) -> None:
+        server.batches += 1
+        if server.consumed_image is not None:
+            shutil.rmtree(server.consumed_image, ignore_errors=True)
+            server.consumed_image = None
+        keep = (reusable and self.policy.keep_warm_seconds > 0 and server.batches < self.policy.max_batches
+                and server.running.alive())
+        if not keep:
+            server.destroy()
+            return
+        server.idle_since = time.monotonic()
+        server.sandbox.extend_deadline(self.policy.keep_warm_seconds + 30)
+        evicted: list[GuestServer] = []
+        with self._lock:
+            if self._closed:
+                evicted.append(server)
+            else:
+                self._idle.append(server)
+                while len(self._idle) > self.policy.max_idle:
+                    evicted.append(self._idle.pop(0))
+                self._ensure_thread()
+                self._lock.notify_all()
+        for old in evicted:
+            old.destroy()
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._expire_loop, name="tenantq-warm-pool", daemon=True)
+            self._thread.start()
+
+    def _expire_loop(self) -> None:
+        limit = self.policy.hibernate_after if self.hibernation else None
+        keep = self.policy.keep_warm_seconds
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [s for s in self._idle
+                       if now - s.idle_since >= (limit if limit is not None else keep)]
+                for s in due:
+                    self._idle.remove(s)
+                if not due:
+                    wait = min((s.idle_since + (limit or keep) - now for s in self._idle), default=None)
+                    self._lock.wait(timeout=wait)
+                    continue
+            for server in due:
+                if limit is not None and self.hibernation:
+                    self._hibernate(server)
+                else:
+                    server.destroy()
+
+    def _hibernate(self, server: GuestServer) -> None:
+        staging = self.store.hibernate_dir(server.tenant, server.key)
+        try:
+            assert isinstance(server.sandbox, SnapshotSandbox)
+            server.sandbox.checkpoint(staging / "image")
+            self.store.commit_hibernated(staging, {"tenant": server.tenant, "key": server.key,
+                                                   "batches": server.batches})
+            metrics.SANDBOX_HIBERNATED.labels(self.driver.name).inc()
+            log.info("hibernated the idle sandbox of %s", server.tenant)
+        except (SnapshotFailed, OSError) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            self.hibernation = False
+            log.warning("hibernation off for this worker: %s; idle sandboxes are destroyed", exc)
+        finally:
+            server.destroy()
+
+    def close(self) -> None:
+        """Destroy every idle sandbox (the worker stops)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._lock.notify_all()
+        for server in idle:
+            server.destroy()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
