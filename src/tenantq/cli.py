@@ -248,11 +248,21 @@ def db_stop() -> None:
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
               help="Default: text with a live progress line on a terminal, JSON lines otherwise.")
 @click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
+@click.option("--snapshots", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Restore sandboxes from the app's warm template where the driver can (gvisor).")
+@click.option("--keep-warm", type=click.FloatRange(0, 86400), default=0.0, show_default=True,
+              help="Keep a tenant's sandbox this many idle seconds for its next batch (0: never).")
+@click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
+@click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
+              help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
-           on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool) -> None:
+           on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
+           snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
+           hibernate_after: float | None) -> None:
     """Run jobs: lease batches fairly, run them, settle every job."""
+    from tenantq.cli_sandbox import make_executor
     from tenantq.dispatch.outcome import Backoff
     from tenantq.dispatch.worker import Worker, WorkerConfig
     from tenantq.fairness.drr import Mode
@@ -260,26 +270,16 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.observe.logs import ProgressLine
     from tenantq.observe.logs import configure as configure_logs
     from tenantq.observe.metrics import serve_worker_metrics
-    from tenantq.registry import REGISTRY, load_app
-    from tenantq.sandbox.batch import SandboxExecutor
-    from tenantq.sandbox.driver import get_driver
-    from tenantq.sandbox.executor import BatchExecutor
-    from tenantq.sandbox.inline import InlineExecutor
+    from tenantq.sandbox.warm import WarmPolicy
     from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
     from tenantq.settings import Settings
 
     chosen_format = configure_logs(log_format)
     secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
-    load_app(app)
-    executor: BatchExecutor
-    if sandbox == "inline":
-        executor = InlineExecutor(REGISTRY)
-        logging.getLogger("tenantq.worker").warning(
-            "--sandbox inline: every kind runs inside this process; use it for trusted code only")
-    else:
-        driver, chosen = get_driver(sandbox, Settings().data_dir)
-        logging.getLogger("tenantq.worker").info("%s", chosen)
-        executor = SandboxExecutor(driver, REGISTRY, app)
+    policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
+                        max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
+                        max_idle=concurrency)
+    executor = make_executor(app, sandbox, policy)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                           poll_seconds=poll_seconds, once=once,
                           backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
@@ -321,6 +321,15 @@ def _install_signal_handlers(stop: Callable[[], None]) -> None:
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
+
+
+def _add_subcommands() -> None:
+    from tenantq.cli_sandbox import template
+
+    cli.add_command(template)
+
+
+_add_subcommands()
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ handler's timeout cannot be enforced on a thread)."""
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 
@@ -19,6 +20,16 @@ class InlineExecutor:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        self._warmed: set[str] = set()
+        self._warm_lock = threading.Lock()
+
+    def _warm_up(self, kinds: list[str]) -> None:
+        """Run the warmups of these kinds once in this process, before their first job."""
+        with self._warm_lock:
+            for name in self.registry.warmups(kinds):
+                if name not in self._warmed:
+                    self.registry.resolve_warmup(name)()
+                    self._warmed.add(name)
 
     def run(
         self,
@@ -28,6 +39,7 @@ class InlineExecutor:
         report: Report,
         should_stop: Callable[[], bool],
     ) -> None:
+        self._warm_up(sorted({j.kind for j in batch.jobs}))
         for job in batch.jobs:
             if should_stop():
                 return

@@ -11,10 +11,14 @@ from tenantq.sandbox.driver import bwrap_works, runsc_works
 def reap_sandboxes(data_dir: Path) -> list[str]:
     from tenantq.sandbox.gvisor import GVisorDriver
     from tenantq.sandbox.process import ProcessDriver
+    from tenantq.sandbox.snapshots import SnapshotStore
 
     gone: list[str] = []
     if runsc_works():
         gone += GVisorDriver(data_dir).reap()
+        # unused templates and old hibernated sandboxes (by age only: no
+        # worker here says which template is current)
+        gone += SnapshotStore(data_dir, GVisorDriver.name).gc()
     if bwrap_works():
         gone += ProcessDriver(data_dir).reap()
     return gone
