@@ -101,3 +101,32 @@ def test_kill_9_dispatcher_while_sandboxes_run(driver_name: str, cli: Cli, queue
     assert runsc_containers(data_dir) == []
     assert leftovers.cgroups_left(("memory", "pids", "cpu")) == {}
     assert worker_err.exists()
+
+
+def test_kill_9_dispatcher_with_an_idle_warm_sandbox(driver_name: str, cli: Cli, queue: Queue,
+                                                     data_dir: Path, leftovers: Leftovers) -> None:
+    """A kept-warm sandbox waits on its stdin pipe to the dispatcher: when the
+    dispatcher dies the pipe reaches EOF and the guest runner exits at once
+    (no wait for the TTL); the reaper removes the rest once the TTL is past."""
+    job_id = queue.enqueue("acme", "slow.sleep", {"seconds": 0})
+    base = data_dir / "sandboxes" / driver_name
+    worker, _ = cli.start(*worker_args(SLOW_APP, driver_name, "--keep-warm", "600", *FLAGS))
+    wait_until(lambda: queue.job(job_id).status == "done", timeout=60, message="the job to finish")
+    boxes = wait_until(lambda: list(base.iterdir()) if base.is_dir() else [], timeout=10,
+                       message="the kept-warm sandbox")
+    marker = str(data_dir)
+    assert processes_mentioning(marker), "the warm sandbox is alive while the worker runs"
+
+    worker.send_signal(signal.SIGKILL)
+    assert worker.wait(timeout=10) == -signal.SIGKILL
+    wait_until(lambda: not processes_mentioning(marker), timeout=10, interval=0.1,
+               message="the warm sandbox to exit with its dispatcher")
+    assert runsc_containers(data_dir) == []
+    # fast-forward past the TTL (keep-warm 600 s): the reaper removes what is left
+    for box in boxes:
+        meta = json.loads((box / "sandbox.json").read_text())
+        meta["deadline"] = time.time() - REAP_GRACE_SECONDS - 1
+        (box / "sandbox.json").write_text(json.dumps(meta))
+    removed = make_driver(driver_name, data_dir).reap()
+    assert {b.name for b in boxes} <= set(removed)
+    assert sandbox_dirs(data_dir) == []
