@@ -34,6 +34,7 @@ from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import guest_python
 from tenantq.sandbox.process import ProcessDriver
 from tenantq.sandbox.spec import SandboxSpec
+from tenantq.sandbox.warm import WarmPolicy
 
 console = Console(width=150)
 APP = "bench.sandbox_app"
@@ -97,7 +98,8 @@ def end_to_end(executor_name: str, batch_size: int, jobs: int, data_dir: Path) -
             executor: Any = InlineExecutor(REGISTRY)
         else:
             driver = GVisorDriver(data_dir) if executor_name == "gvisor" else ProcessDriver(data_dir)
-            executor = SandboxExecutor(driver, REGISTRY, APP)
+            # cold sandboxes: warm starts have their own benchmark (bench/warm.py)
+            executor = SandboxExecutor(driver, REGISTRY, APP, policy=WarmPolicy(snapshots=False))
         worker = Worker(db, executor, WorkerConfig(concurrency=2, batch_size=batch_size, once=True))
         t0 = time.perf_counter()
         stats = worker.run()
@@ -145,7 +147,7 @@ def run(*, n: int = 60, jobs_per_size: dict[int, int] | None = None) -> dict[str
     throughput: dict[str, dict[int, float]] = {}
     for name in ("inline", *drivers):
         throughput[name] = {size: end_to_end(name, size, jobs, data_dir) for size, jobs in sizes.items()}
-    t2 = Table(title="end to end: 10 ms handler, concurrency 2, jobs/s")
+    t2 = Table(title="end to end: 10 ms handler, concurrency 2, cold sandboxes, jobs/s")
     t2.add_column("executor")
     for size in sizes:
         t2.add_column(f"batch {size}", justify="right")
