@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import chaos, fairness, sandbox, scaling, throughput, warm
+from bench import chaos, egress, fairness, sandbox, scaling, throughput, warm
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
@@ -15,12 +15,14 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "sandbox": sandbox.run,
     "chaos": chaos.run,
     "warm": warm.run,
+    "egress": egress.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
     "scaling": {"picks": 5, "max_pending": 1_000},
     "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300, "plot": False},
     "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},
+    "egress": {"n": 20, "setups": 5},
     "warm": {"n": 2, "jobs_per_size": {1: 4, 10: 20}},
     "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
 }

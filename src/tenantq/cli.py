@@ -156,12 +156,15 @@ def tenant() -> None:
 @click.argument("tenant_id")
 @click.option("--weight", type=int, default=None, help="Plan-tier weight (default 1).")
 @click.option("--max-sandboxes", type=int, default=None, help="Cap on running batches; 0 = no cap.")
-def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None) -> None:
-    """Set a tenant's weight and concurrency cap."""
+@click.option("--egress", default=None,
+              help='Hosts its sandboxed jobs may reach: "api.stripe.com,*.salesforce.com:443"; "" = none.')
+def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, egress: str | None) -> None:
+    """Set a tenant's weight, concurrency cap and egress rules."""
     with _queue() as q:
-        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes)
+        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress)
     cap = row["max_sandboxes"] if row["max_sandboxes"] is not None else "none"
-    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}")
+    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}, "
+               f"egress {', '.join(row['egress']) or 'none'}")
 
 
 @cli.command()
@@ -279,7 +282,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
                         max_idle=concurrency)
-    executor = make_executor(app, sandbox, policy)
+    executor = make_executor(app, sandbox, policy, secrets)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                           poll_seconds=poll_seconds, once=once,
                           backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),

@@ -14,11 +14,13 @@ from tenantq.errors import InvalidInput
 from tenantq.sandbox.executor import BatchExecutor
 from tenantq.sandbox.snapshots import SnapshotStore
 from tenantq.sandbox.warm import WarmPolicy
+from tenantq.secrets import SecretsProvider
 
 SNAPSHOT_DRIVERS = ("gvisor",)
 
 
-def make_executor(app: str, sandbox: str, policy: WarmPolicy) -> BatchExecutor:
+def make_executor(app: str, sandbox: str, policy: WarmPolicy,
+                  secrets: SecretsProvider | None = None) -> BatchExecutor:
     """The executor `tenantq worker --app APP --sandbox NAME` runs batches on."""
     from tenantq.registry import REGISTRY, load_app
     from tenantq.sandbox.batch import SandboxExecutor
@@ -33,7 +35,7 @@ def make_executor(app: str, sandbox: str, policy: WarmPolicy) -> BatchExecutor:
         return InlineExecutor(REGISTRY)
     driver, chosen = get_driver(sandbox, Settings().data_dir)
     log.info("%s", chosen)
-    return SandboxExecutor(driver, REGISTRY, app, policy=policy)
+    return SandboxExecutor(driver, REGISTRY, app, policy=policy, secrets=secrets)
 
 
 def _stores() -> list[SnapshotStore]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 
+from tenantq.egress.policy import parse_rules
 from tenantq.errors import InvalidInput, TenantqError
 from tenantq.store import jobs, validation
 from tenantq.store.db import Conn, Database, Pool
@@ -162,10 +163,13 @@ class Queue:
 
     # -- tenants -----------------------------------------------------------
     def set_tenant(
-        self, tenant: str, *, weight: int | None = None, max_sandboxes: int | None = None
+        self, tenant: str, *, weight: int | None = None, max_sandboxes: int | None = None,
+        egress: str | list[str] | None = None,
     ) -> dict[str, Any]:
-        """Set a tenant's weight and/or cap (max_sandboxes=0 removes the cap)."""
+        """Set a tenant's weight, cap (max_sandboxes=0 removes the cap) and/or
+        egress rules ("api.stripe.com,*.salesforce.com:443"; "" = none)."""
         validation.tenant_id(tenant)
+        rules = None if egress is None else [str(r) for r in parse_rules(egress)]
         if weight is not None and not 1 <= weight <= 10000:
             raise InvalidInput(f"weight must be between 1 and 10000, got {weight}")
         if max_sandboxes is not None and max_sandboxes < 0:
@@ -174,6 +178,7 @@ class Queue:
             row = conn.execute(sql("tenants", "upsert"), {
                 "tenant_id": tenant, "weight": weight,
                 "max_sandboxes": max_sandboxes or None, "clear_cap": max_sandboxes == 0,
+                "egress": rules,
             }).fetchone()
         assert row is not None
         return row

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from tenantq.egress.policy import Rule, parse_rules
 from tenantq.errors import InvalidInput
 from tenantq.store import validation
 
@@ -43,6 +44,8 @@ class Handler:
     # "module:function" that prepares what this handler needs (imports, a
     # loaded model); run once per sandbox parent, so templates capture it
     warmup: str | None = None
+    # narrows the tenant's egress rules while this handler runs (never widens)
+    egress: tuple[Rule, ...] | None = None
 
 
 class Registry:
@@ -108,6 +111,7 @@ def handler(
     isolation: Isolation = "sandbox",
     sandbox_only: bool = False,
     warmup: str | None = None,
+    egress: list[str] | None = None,
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
     """Register `func(payload, ctx)` as the handler of `kind`.
@@ -117,6 +121,8 @@ def handler(
     has a sandbox driver. `warmup="module:function"` names code that imports
     and prepares what the handler needs; it runs once per sandbox parent
     (and is baked into the template snapshot), not once per job.
+    `egress=["api.stripe.com"]` narrows what the tenant's egress rules allow
+    while this handler runs; it can never allow more than the tenant's rules.
     """
     validation.kind(kind)
     if timeout <= 0:
@@ -128,9 +134,11 @@ def handler(
     if warmup is not None and not _is_warmup_name(warmup):
         raise InvalidInput(f"handler {kind!r}: warmup must be 'module:function', got {warmup!r}")
 
+    narrowed = None if egress is None else parse_rules(egress)
+
     def register(func: F) -> F:
         (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only,
-                                           warmup))
+                                           warmup, narrowed))
         return func
 
     return register

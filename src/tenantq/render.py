@@ -36,12 +36,12 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
                        _age(r["oldest_pending_seconds"]))
     console.print(queues)
     fair = Table(title="Tenants")
-    for col in ("tenant", "weight", "max sandboxes", "running batches", "deficit"):
-        fair.add_column(col, justify="left" if col == "tenant" else "right")
+    for col in ("tenant", "weight", "max sandboxes", "running batches", "deficit", "egress"):
+        fair.add_column(col, justify="left" if col in ("tenant", "egress") else "right")
     for t in tenants:
         cap = "-" if t["max_sandboxes"] is None else str(t["max_sandboxes"])
         fair.add_row(t["tenant_id"], str(t["weight"]), cap, str(t["live_batches"]),
-                     f"{float(t['deficit']):.1f}")
+                     f"{float(t['deficit']):.1f}", ", ".join(t.get("egress") or []) or "none")
     console.print(fair)
     if batches:
         live = Table(title="Running batches")
@@ -74,6 +74,8 @@ def job_panel(info: JobInfo) -> None:
         table.add_row("result", _preview(info.result))
     if info.last_error:
         table.add_row("last error", info.last_error)
+    for blocked in info.egress_blocked:
+        table.add_row("egress blocked", f"{blocked['reason']} (batch {blocked['batch_id']})")
     for reason in info.why_waiting:
         table.add_row("waiting", reason)
     console.print(table)

@@ -4,7 +4,18 @@
 {NAME: value}. The values travel to the guest runner over its stdin and live
 only in its process environment; they are never written to disk outside the
 sandbox, and never into the dispatcher's own environment. Vault-style
-providers implement the same one-method protocol.
+providers implement the same protocol.
+
+A value may instead be injected by the host, never entering the sandbox:
+
+    {"acme": {"STRIPE_KEY": {"value": "sk_live_...",
+                             "inject": {"host": "api.stripe.com",
+                                        "header": "Authorization", "format": "Bearer {value}"}}}}
+
+The sandbox's STRIPE_KEY is then a per-batch placeholder; the batch's egress
+proxy swaps in the value (and sets the header) on HTTPS requests to hosts
+matching `host` (an egress rule), and blocks any request that carries the
+placeholder anywhere else.
 """
 
 from __future__ import annotations
@@ -13,22 +24,42 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tenantq.egress.policy import Rule, parse_rule
 from tenantq.errors import InvalidInput
 from tenantq.store import validation
 
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class InjectedSecret:
+    name: str
+    value: str
+    rule: Rule
+    header: str | None = None
+    template: str = "{value}"
 
 
 class SecretsProvider(Protocol):
-    def for_tenant(self, tenant: str) -> Mapping[str, str]: ...
+    def for_tenant(self, tenant: str) -> Mapping[str, str]:
+        """Every secret of the tenant by name (injected ones too: the
+        executor swaps those for placeholders before the sandbox sees them)."""
+        ...
+
+    def injected(self, tenant: str) -> tuple[InjectedSecret, ...]: ...
 
 
 class NoSecrets:
     def for_tenant(self, tenant: str) -> Mapping[str, str]:
         return {}
+
+    def injected(self, tenant: str) -> tuple[InjectedSecret, ...]:
+        return ()
 
 
 class FileSecrets:
@@ -36,16 +67,19 @@ class FileSecrets:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._by_tenant = parse_secrets(path)
+        self._by_tenant, self._injected = parse_secrets(path)
 
     def for_tenant(self, tenant: str) -> Mapping[str, str]:
         return dict(self._by_tenant.get(tenant, {}))
+
+    def injected(self, tenant: str) -> tuple[InjectedSecret, ...]:
+        return self._injected.get(tenant, ())
 
     def tenants(self) -> list[str]:
         return sorted(self._by_tenant)
 
 
-def parse_secrets(path: Path) -> dict[str, dict[str, str]]:
+def parse_secrets(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, tuple[InjectedSecret, ...]]]:
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -59,13 +93,39 @@ def parse_secrets(path: Path) -> dict[str, dict[str, str]]:
     if not isinstance(data, dict):
         raise InvalidInput(f"secrets file {path} must map tenant -> {{NAME: value}}")
     out: dict[str, dict[str, str]] = {}
+    injected: dict[str, tuple[InjectedSecret, ...]] = {}
     for tenant, values in data.items():
         validation.tenant_id(tenant)
         if not isinstance(values, dict):
             raise InvalidInput(f"secrets for tenant {tenant!r} must be a mapping of NAME -> value")
+        plain: dict[str, str] = {}
+        hosted: list[InjectedSecret] = []
         for name, value in values.items():
-            if not SECRET_NAME.match(name) or not isinstance(value, str):
-                raise InvalidInput(
-                    f"secret {name!r} of tenant {tenant!r}: names are identifiers, values strings")
-        out[tenant] = dict(values)
-    return out
+            where = f"secret {name!r} of tenant {tenant!r}"
+            if not SECRET_NAME.match(name):
+                raise InvalidInput(f"{where}: names are identifiers")
+            if isinstance(value, dict):
+                hosted.append(_injected(name, value, where))
+                plain[name] = hosted[-1].value
+            elif isinstance(value, str):
+                plain[name] = value
+            else:
+                raise InvalidInput(f"{where}: the value must be a string or {{value, inject}}")
+        out[tenant] = plain
+        injected[tenant] = tuple(hosted)
+    return out, injected
+
+
+def _injected(name: str, spec: dict[str, Any], where: str) -> InjectedSecret:
+    value, inject = spec.get("value"), spec.get("inject")
+    if not isinstance(value, str) or not isinstance(inject, dict) or not isinstance(inject.get("host"), str):
+        raise InvalidInput(f"{where}: an injected secret is "
+                           "{value: str, inject: {host: rule, header?, format?}}")
+    header, template = inject.get("header"), inject.get("format", "{value}")
+    if header is not None and (not isinstance(header, str) or not HEADER_NAME.match(header)):
+        raise InvalidInput(f"{where}: inject.header must be an HTTP header name")
+    if not isinstance(template, str) or "{value}" not in template:
+        raise InvalidInput(f"{where}: inject.format must contain {{value}}")
+    if any(c in value + template for c in "\r\n\0"):
+        raise InvalidInput(f"{where}: an injected value cannot contain line breaks")
+    return InjectedSecret(name, value, parse_rule(inject["host"]), header, template)

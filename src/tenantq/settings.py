@@ -49,6 +49,29 @@ class Settings(BaseSettings):
         description="Tenants with their own label in queue metrics; the rest are summed as 'other'.",
     )
 
+    egress_allow_networks: str = Field(
+        default="",
+        description="Comma-separated CIDRs the egress proxy may connect to even though they are "
+                    "loopback/private (e.g. 127.0.0.1/32 for a test server). Default: none.",
+    )
+
+    egress_upstream_ca: str | None = Field(
+        default=None,
+        description="A CA file the egress proxy trusts for upstream TLS besides the system's (private CAs).",
+    )
+
+    def egress_networks(self) -> list[str]:
+        return [n.strip() for n in self.egress_allow_networks.split(",") if n.strip()]
+
+    @field_validator("egress_allow_networks")
+    @classmethod
+    def _networks_parse(cls, value: str) -> str:
+        import ipaddress
+
+        for net in (n.strip() for n in value.split(",") if n.strip()):
+            ipaddress.ip_network(net, strict=False)
+        return value
+
     @field_validator("schema_name")
     @classmethod
     def _schema_is_identifier(cls, value: str) -> str:

@@ -48,7 +48,7 @@ def test_rm_needs_keys_or_all(cli: Cli) -> None:
     assert res.stderr.strip() == "error: name the template keys to remove, or use --all"
 
 
-@pytest.mark.parametrize("flags, message", [
+@pytest.mark.parametrize(("flags", "message"), [
     (("--keep-warm", "5", "--hibernate-after", "10"),
      "error: --hibernate-after must be more than 0 and less than --keep-warm (10 vs 5)"),
     (("--max-batches-per-sandbox", "0"), "error: Invalid value for '--max-batches-per-sandbox'"),

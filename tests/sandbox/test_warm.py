@@ -227,7 +227,7 @@ def test_a_warm_sandbox_is_never_shared_between_tenants(
     assert b1 != a1 and a2 == a1 and origin == "warm", h.origins
 
 
-@pytest.mark.parametrize("kind, reason", [("warm.segfault", "crashed: SIGSEGV"),
+@pytest.mark.parametrize(("kind", "reason"), [("warm.segfault", "crashed: SIGSEGV"),
                                           ("warm.spin", "timeout after 1 s"),
                                           ("warm.alloc", "oom: exceeded 64 MiB")])
 def test_a_sandbox_that_saw_a_failure_is_not_reused(
@@ -287,3 +287,22 @@ def test_hibernation_round_trip(data_dir: Path, harness: Callable[..., Harness])
     # another tenant never gets it
     h.result("warm.state", tenant="other")
     assert h.origins[-1][1] == "template"
+
+
+@needs_runsc
+def test_a_broken_template_is_dropped_and_batches_boot_cold(
+        data_dir: Path, harness: Callable[..., Harness], caplog: pytest.LogCaptureFixture) -> None:
+    h = harness(GVisorDriver(data_dir), WarmPolicy())
+    h.result("warm.state")
+    (template,) = h.executor.store.templates()
+    for image_file in (p for p in template.image.rglob("*") if p.is_file()):
+        image_file.write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING, logger="tenantq.sandbox"):
+        # the restore fails before the first job: nothing is reported, so the
+        # dispatcher releases the job without using an attempt
+        assert h.run("warm.state") == []
+        after = h.result("warm.state")
+    assert [o for _, o in h.origins] == ["template", "template", "cold"]
+    assert after["warmups"] == 1
+    assert h.executor.store.templates() == [], "the broken template was removed"
+    assert any("snapshots off" in r.getMessage() for r in caplog.records)

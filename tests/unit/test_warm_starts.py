@@ -19,7 +19,7 @@ from tenantq.sandbox.spec import SandboxSpec
 from tenantq.sandbox.warm import WarmPolicy, frame
 
 
-@pytest.mark.parametrize("kwargs, message", [
+@pytest.mark.parametrize(("kwargs", "message"), [
     ({"keep_warm_seconds": -1}, "--keep-warm must be 0 or more"),
     ({"max_batches": 0}, "--max-batches-per-sandbox must be at least 1"),
     ({"keep_warm_seconds": 10, "hibernate_after": 10}, "--hibernate-after must be more than 0 and less"),
@@ -162,7 +162,7 @@ def test_registry_collects_warmups_and_resolves_them() -> None:
     assert registry.warmups(["w.two"]) == ["app:level"]
     assert registry.warmups(["w.one"]) == ["json:dumps", "app:level"]
     assert registry.resolve_warmup("json:dumps") is json.dumps
-    with pytest.raises(InvalidInput, match="warmup 'nope.module:f'"):
+    with pytest.raises(InvalidInput, match=r"warmup 'nope\.module:f'"):
         registry.resolve_warmup("nope.module:f")
 
 

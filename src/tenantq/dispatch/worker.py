@@ -33,7 +33,7 @@ from tenantq.fairness.drr import Mode
 from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE, class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
-from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
+from tenantq.sandbox.executor import BatchExecutor, EgressUsed, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Database, Pool
 from tenantq.store.model import Batch, ClaimedJob, Settlement
@@ -278,8 +278,12 @@ class BatchRun:
         self.run_seconds = 0.0
         self._job_started_at = 0.0
         self._run_histogram = metrics.JOB_RUN.labels(batch.priority)
+        self.egress: EgressUsed | None = None
 
-    def report(self, event: JobStarted | JobEnded) -> None:
+    def report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
+        if isinstance(event, EgressUsed):
+            self.egress = event  # written with the end of the batch
+            return
         if isinstance(event, JobStarted):
             self.started.add(event.job_id)
             self._job_started_at = time.monotonic()
@@ -322,10 +326,12 @@ class BatchRun:
         while True:
             try:
                 with pool.connection() as conn:
+                    egress = self.egress if end_outcome is not None else None
                     applied = jobs.settle(conn, self.batch.batch_id, settlements, release=release,
                                 end_outcome=end_outcome, run_seconds=self.run_seconds,
                                 ran_jobs=len(self.ended),
-                                charge_runtime=self.worker.config.fair_by is Mode.RUNTIME)
+                                charge_runtime=self.worker.config.fair_by is Mode.RUNTIME,
+                                egress=None if egress is None else (egress.record, egress.blocks))
                 break
             except LeaseLost as exc:
                 self.lost = True

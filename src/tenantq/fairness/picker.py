@@ -11,7 +11,7 @@ number of idle tenants.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 
 from tenantq.fairness import drr
@@ -68,6 +68,7 @@ def claim_next(
             for r in rows
         ]
         capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
+        egress_of = {str(r["tenant_id"]): tuple(str(e) for e in (r["egress"] or ())) for r in rows}  # type: ignore[attr-defined]
         # runtime mode: until a queue has history, assume a batch costs one quantum
         default_est = request.quantum_seconds / request.batch_size
         estimates = {str(r["tenant_id"]): float(str(r["avg_job_seconds"])) if r["avg_job_seconds"] is not None
@@ -94,6 +95,8 @@ def claim_next(
             if batch is None:
                 _settle_queue_hint(conn, visit.tenant_id, priority)
                 continue
+            # the tenant's egress rules travel with the batch to its sandbox
+            batch = replace(batch, egress=egress_of[visit.tenant_id])
             est = estimates[visit.tenant_id]
             deficit, keep_turn = drr.charge(visit, claimed=len(batch.jobs), mode=request.fair_by,
                                             est_job_cost=est)

@@ -72,8 +72,14 @@ def _unlimit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
-def run_jobs(work_dir: str, secrets: dict[str, str]) -> int:
-    """Run WORK_DIR/batch.json job by job; 0 when every job was reported."""
+def run_jobs(work_dir: str, secrets: dict[str, str], *, sync_starts: bool = False) -> int:
+    """Run WORK_DIR/batch.json job by job; 0 when every job was reported.
+
+    `sync_starts`: fsync each job's start line before the job runs, so the
+    host knows which job is running before the job's first network request
+    reaches the egress proxy (gVisor may hold a flushed write in its own
+    cache for a while; the host applies the job's handler's egress rules).
+    """
     from tenantq.registry import REGISTRY, JobContext
 
     with open(os.path.join(work_dir, BATCH_FILE)) as fh:
@@ -87,6 +93,8 @@ def run_jobs(work_dir: str, secrets: dict[str, str]) -> int:
             if os.path.exists(stop_file):  # the host asked us to stop between jobs
                 break
             emit(out, {"id": job["id"], "status": "started"})
+            if sync_starts:
+                os.fsync(out.fileno())
             started = time.monotonic()
             handler = REGISTRY.get(job["kind"])
             if handler is None:

@@ -116,9 +116,12 @@ def _child(stdin: Frames, ttl: float, ready_w: int) -> int:
     _reseed()
     _start_watchdog(ttl)
     os.chdir(WORK_DIR)
+    from tenantq.guest import egress
     from tenantq.guest.jobs import run_jobs
 
-    return run_jobs(WORK_DIR, secrets)
+    proxied = egress.install() is not None
+
+    return run_jobs(WORK_DIR, secrets, sync_starts=proxied)
 
 
 def _start_watchdog(seconds: float) -> None:

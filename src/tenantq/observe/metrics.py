@@ -40,6 +40,12 @@ SANDBOX_STARTS = Counter("tenantq_sandbox_starts_total",
                          ["driver", "origin"], registry=REGISTRY)
 SANDBOX_HIBERNATED = Counter("tenantq_sandbox_hibernated_total", "Idle sandboxes checkpointed to disk.",
                              ["driver"], registry=REGISTRY)
+EGRESS_REQUESTS = Counter("tenantq_egress_requests_total",
+                          "Requests through the egress proxy by tenant, allowed or blocked.",
+                          ["tenant", "outcome"], registry=REGISTRY)
+EGRESS_BYTES = Counter("tenantq_egress_bytes_total",
+                       "Bytes through the egress proxy by tenant (out: sandbox to destination).",
+                       ["tenant", "direction"], registry=REGISTRY)
 BATCH_OUTCOMES = Counter("tenantq_batch_outcomes_total", "Batches by how their sandbox ended.",
                          ["driver", "reason"], registry=REGISTRY)
 JOB_OUTCOMES = Counter("tenantq_job_outcomes_total", "Settled attempts by outcome (done, retry, dead).",

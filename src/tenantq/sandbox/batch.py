@@ -28,6 +28,7 @@ from pathlib import Path
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.egress import EgressConfig, EgressProxies
 from tenantq.sandbox.executor import Report
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import GuestPython, guest_python
@@ -35,6 +36,7 @@ from tenantq.sandbox.results import ResultTail
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
 from tenantq.sandbox.warm import GuestServer, WarmPolicy, WarmStarts
+from tenantq.secrets import SecretsProvider
 from tenantq.store.model import Batch, ClaimedJob
 
 log = logging.getLogger("tenantq.sandbox")
@@ -55,7 +57,8 @@ EXIT_WAIT_SECONDS = 30.0
 
 class SandboxExecutor:
     def __init__(self, driver: SandboxDriver, registry: Registry, app_module: str, *,
-                 policy: WarmPolicy | None = None,
+                 policy: WarmPolicy | None = None, egress: EgressConfig | None = None,
+                 secrets: SecretsProvider | None = None,
                  tmp_mb: int = 64, max_pids: int = 512, cpus: float = 1.0) -> None:
         self.driver = driver
         self.name = driver.name
@@ -78,6 +81,7 @@ class SandboxExecutor:
         sandboxed = [h.memory_mb for k in registry.kinds()
                      if (h := registry.get(k)) is not None and h.isolation != "inline"]
         self.memory_mb = max(sandboxed, default=256) + SANDBOX_OVERHEAD_MB
+        self.egress = EgressProxies(registry, driver.data_dir, egress, secrets)
 
     def template_key(self, spec: SandboxSpec) -> str:
         return template_key(self.app_module, self.guest, spec, self.name, self.runtime)
@@ -108,6 +112,7 @@ class SandboxExecutor:
 
     def close(self) -> None:
         self.warm.close()
+        self.egress.shutdown()
 
     def _overrun(self, batch: Batch, tail: ResultTail) -> str | None:
         """'after N s' when the running job is past its handler's timeout plus grace."""
@@ -146,8 +151,13 @@ class SandboxExecutor:
                           "max_attempts": j.max_attempts} for j in batch.jobs],
             }).encode())
             tail = ResultTail(server.sandbox.work_dir / "results.jsonl", report, [j.id for j in batch.jobs])
-            server.send(spec.ttl_seconds, dict(env))
-            end, result = self._follow(server, batch, tail, budget, should_stop)
+            proxy, guest_env = self.egress.open(server.sandbox, batch, tail, env)
+            try:
+                server.send(spec.ttl_seconds, guest_env)
+                end, result = self._follow(server, batch, tail, budget, should_stop)
+            finally:
+                if proxy is not None:
+                    report(self.egress.close(proxy))
             tail.finish(end, result)
             metrics.BATCH_OUTCOMES.labels(self.name, metrics.batch_reason(end.kind)).inc()
             reusable = end.ok and not tail.tainted and tail.batch_end is not None

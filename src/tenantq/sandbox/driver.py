@@ -44,6 +44,8 @@ class Sandbox(Protocol):
     id: str
     spec: SandboxSpec
     work_dir: Path
+    # host dir bound read-only at /tenantq/egress: where a batch's egress proxy socket goes
+    egress_dir: Path
 
     def put_file(self, name: str, data: bytes) -> None: ...
 

@@ -33,7 +33,17 @@ class JobEnded:
     seconds: float | None = None
 
 
-Report = Callable[[JobStarted | JobEnded], None]
+@dataclass(frozen=True)
+class EgressUsed:
+    """What the batch's sandbox did through its egress proxy (sent once, at the
+    end of a batch that had one): counts for the batch record, and the
+    refused requests with the job that was running."""
+
+    record: dict[str, int]
+    blocks: tuple[dict[str, Any], ...] = ()
+
+
+Report = Callable[[JobStarted | JobEnded | EgressUsed], None]
 
 
 class BatchExecutor(Protocol):

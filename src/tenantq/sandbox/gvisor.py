@@ -23,7 +23,14 @@ from typing import Any
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs, owner_alive, read_meta
-from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
+from tenantq.sandbox.layout import (
+    GUEST_EGRESS_DIR,
+    GUEST_GID,
+    GUEST_UID,
+    build_skeleton,
+    check_mounts,
+    new_sandbox_dir,
+)
 from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, SnapshotFailed
 
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
@@ -51,7 +58,10 @@ class GVisorDriver:
         self.base = data_dir / "sandboxes" / self.name
 
     def runsc_cmd(self, *args: str) -> list[str]:
-        return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none", *args]
+        # --host-uds=open: a job may connect to a host Unix socket it can see,
+        # and the only one mounted in is its batch's egress proxy
+        return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none",
+                "--host-uds=open", *args]
 
     def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[GVisorSandbox, Running]:
         """A new sandbox whose processes resume from a checkpoint image."""
@@ -135,6 +145,8 @@ class GVisorSandbox(HostSandbox):
               for m in spec.mounts),
             {"destination": GUEST_WORK_DIR, "type": "bind", "source": str(self.work_dir),
              "options": ["rbind", "rw"]},
+            {"destination": GUEST_EGRESS_DIR, "type": "bind", "source": str(self.egress_dir),
+             "options": ["rbind", "ro"]},
         ]
         # each guest process costs the sandbox ~6 host tasks (sentry, stubs):
         # stay well under the pids backstop, whose hit panics the sentry

@@ -27,6 +27,7 @@ class HostSandbox:
         self.path = path
         self.spec = spec
         self.work_dir = path / "work"
+        self.egress_dir = path / "egress"
         self.driver_name = driver_name
         self.deadline = time.time() + spec.ttl_seconds
         self.box = CgroupBox(sandbox_id)

@@ -20,6 +20,7 @@ from pathlib import Path
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.spec import Mount
 
+GUEST_EGRESS_DIR = "/tenantq/egress"
 GUEST_UID = 65534
 GUEST_GID = 65534
 SYSTEM_DIRS = ("/usr",)
@@ -100,14 +101,14 @@ def check_mounts(mounts: tuple[Mount, ...]) -> None:
 def build_skeleton(base_dir: Path, mounts: tuple[Mount, ...]) -> Path:
     """A read-only root: empty mount points, merged-/usr symlinks, a minimal
     /etc. Built once per set of mount targets and shared by sandboxes."""
-    key = hashlib.sha256("\n".join(sorted(f"{m.target}:{os.path.isdir(m.source)}" for m in mounts))
+    key = hashlib.sha256("\n".join(["v2", *sorted(f"{m.target}:{os.path.isdir(m.source)}" for m in mounts)])
                          .encode()).hexdigest()[:16]
     root = base_dir / f"rootfs-{key}"
     if (root / ".complete").exists():
         return root
     staging = base_dir / f".rootfs-{key}-{uuid.uuid4().hex[:6]}"
     staging.mkdir(parents=True)
-    for d in ("usr", "tmp", "proc", "dev", "etc", "tenantq/work"):
+    for d in ("usr", "tmp", "proc", "dev", "etc", "tenantq/work", "tenantq/egress"):
         (staging / d).mkdir(parents=True, exist_ok=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         os.symlink(f"usr/{link}", staging / link)
@@ -145,6 +146,9 @@ def new_sandbox_dir(data_dir: Path, driver: str, *, guest_owns_work: bool) -> tu
     path.mkdir(mode=0o700)
     work = path / "work"
     work.mkdir()
+    # the batch's egress proxy socket appears here (bound read-only at
+    # /tenantq/egress); empty while the tenant has no egress rules
+    (path / "egress").mkdir(mode=0o755)
     if guest_owns_work:
         if os.geteuid() == 0:
             os.chown(work, GUEST_UID, GUEST_GID)

@@ -20,7 +20,14 @@ from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs
-from tenantq.sandbox.layout import GUEST_GID, GUEST_UID, build_skeleton, check_mounts, new_sandbox_dir
+from tenantq.sandbox.layout import (
+    GUEST_EGRESS_DIR,
+    GUEST_GID,
+    GUEST_UID,
+    build_skeleton,
+    check_mounts,
+    new_sandbox_dir,
+)
 from tenantq.sandbox.spec import SandboxSpec
 
 PROCESS_MAX_PIDS = 64
@@ -90,7 +97,8 @@ class ProcessSandbox(HostSandbox):
                  "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         for m in spec.mounts:
             args += ["--ro-bind", m.source, m.target]
-        args += ["--bind", str(self.work_dir), GUEST_WORK_DIR, "--chdir", GUEST_WORK_DIR, "--clearenv"]
+        args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
+                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR, "--chdir", GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
         init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]

@@ -25,6 +25,9 @@ class ResultTail:
         self.report = report
         self.job_ids = job_ids
         self.offset = 0
+        # end of the last line handled: set after `running`, read before it
+        # by running_now() on another thread
+        self.handled = 0
         self.buffer = b""
         self.running: int | None = None
         self.fatal: str | None = None
@@ -35,6 +38,29 @@ class ResultTail:
         self.batch_end: dict[str, Any] | None = None
         # a job timed out or ran out of memory: do not reuse the sandbox
         self.tainted = False
+
+    def running_now(self) -> int | None:
+        """The job running at this instant, for another thread (the egress
+        proxy): reads what poll() has not reached yet, without reporting."""
+        # `handled` before `running`: poll() sets them in the other order, so
+        # lines it handles meanwhile are read again here, never skipped
+        offset = self.handled
+        running = self.running
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return running
+        for line in chunk.split(b"\n"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict) or record.get("id") not in self.job_ids:
+                continue
+            running = int(record["id"]) if record.get("status") == "started" else None
+        return running
 
     def poll(self) -> None:
         try:
@@ -55,6 +81,7 @@ class ResultTail:
                 # the file is writable by the job's own code: a line that is
                 # not the runner's is ignored, never trusted
                 continue
+        self.handled = self.offset - len(self.buffer)
 
     def read_fatal(self, stdout: str) -> None:
         """The runner could not boot (app import or warmup failed): it said

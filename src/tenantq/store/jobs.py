@@ -145,6 +145,7 @@ def settle(
     run_seconds: float | None = None,
     ran_jobs: int = 0,
     charge_runtime: bool = False,
+    egress: tuple[dict[str, int], Sequence[dict[str, Any]]] | None = None,
     now: datetime | None = None,
 ) -> list[int]:
     """Apply settlements under the batch's fencing token, in one transaction.
@@ -153,7 +154,8 @@ def settle(
     their attempt refunded. With `end_outcome`, the lease ends too. Raises
     LeaseLost (and changes nothing) when the lease is no longer live.
     `run_seconds` is the batch's measured cost; with `charge_runtime` it is
-    charged to the queue's DRR deficit (fairness by run time).
+    charged to the queue's DRR deficit (fairness by run time). `egress`: the
+    batch's network counts and refused requests, written with its end.
     """
     release_ids = list(release)
     # Pipelined: BEGIN and every statement go out in one round trip, COMMIT
@@ -182,7 +184,16 @@ def settle(
         if end_outcome is not None:
             conn.execute(sql("batches", "end"), {
                 "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
+                "egress": None if egress is None else Jsonb(egress[0]),
             })
+            if egress is not None and egress[1]:
+                blocks = egress[1]
+                conn.execute(sql("egress", "record_blocks"), {
+                    "batch_id": batch_id, "job_ids": [b.get("job_id") for b in blocks],
+                    "hosts": [str(b["host"])[:300] for b in blocks],
+                    "reasons": [str(b["reason"])[:1000] for b in blocks],
+                    "ats": [float(b["at"]) for b in blocks],
+                })
             if charge_runtime and run_seconds is not None:
                 conn.execute(sql("queues", "charge"), {"batch_id": batch_id, "jobs": ran_jobs})
         pipeline.sync()
@@ -231,7 +242,11 @@ def get_job(conn: Conn, job_id: int) -> JobInfo:
     if row is None:
         raise JobNotFound(f"no job with id {job_id}")
     fields = JobInfo.__dataclass_fields__
-    return JobInfo(**{k: v for k, v in row.items() if k in fields})  # type: ignore[arg-type]
+    blocked = [{"host": r["host"], "reason": r["reason"], "blocked_at": str(r["blocked_at"]),
+                "batch_id": r["batch_id"]}
+               for r in conn.execute(sql("egress", "for_job"), {"job_id": job_id}).fetchall()]
+    return JobInfo(**{k: v for k, v in row.items() if k in fields},  # type: ignore[arg-type]
+                   egress_blocked=blocked)
 
 
 def cancel(conn: Conn, job_id: int, *, now: datetime | None = None) -> bool:

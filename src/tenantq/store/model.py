@@ -45,6 +45,8 @@ class Batch:
     priority: Priority
     lease_expires_at: datetime
     jobs: tuple[ClaimedJob, ...]
+    # the tenant's egress rules when it was claimed; empty = no network
+    egress: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,8 @@ class JobInfo:
     lease_owner: str | None
     lease_expires_at: datetime | None
     why_waiting: list[str] = field(default_factory=list)
+    # requests its sandbox's egress proxy refused while it ran (host, reason, when)
+    egress_blocked: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -25,7 +25,7 @@ RETURNING batch_id;
 -- name: end
 UPDATE batches
 SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s,
-    run_seconds = %(run_seconds)s
+    run_seconds = %(run_seconds)s, egress = %(egress)s
 WHERE batch_id = %(batch_id)s AND ended_at IS NULL;
 
 -- name: set_charged

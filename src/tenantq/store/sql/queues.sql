@@ -33,7 +33,7 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
 -- counted for capped tenants (a hint here; the picker re-counts under the
 -- tenant's row lock before it claims).
-(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
@@ -44,7 +44,7 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
-(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL

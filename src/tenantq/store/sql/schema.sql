@@ -15,7 +15,9 @@ CREATE TABLE tenants (
     weight        integer NOT NULL DEFAULT 1 CONSTRAINT weight_range CHECK (weight BETWEEN 1 AND 10000),
     -- cap on concurrently live batches (sandboxes); NULL = no cap
     max_sandboxes integer CONSTRAINT max_sandboxes_positive CHECK (max_sandboxes IS NULL OR max_sandboxes >= 1),
-    created_at    timestamptz NOT NULL DEFAULT now()
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    -- hosts its sandboxed jobs may reach through the egress proxy; empty = none
+    egress        text[] NOT NULL DEFAULT '{}' CONSTRAINT egress_rule_count CHECK (cardinality(egress) <= 64)
 );
 
 -- One row per (tenant, priority class) that ever had a job: the scheduler's
@@ -69,7 +71,9 @@ CREATE TABLE batches (
     run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0),
     -- fairness by run time: the estimate charged when it was claimed
     charged_seconds  double precision
-        CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0)
+        CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0),
+    -- network use through the egress proxy (allowed, blocked, bytes_out, bytes_in)
+    egress           jsonb CONSTRAINT egress_is_object CHECK (egress IS NULL OR jsonb_typeof(egress) = 'object')
 );
 -- live leases per tenant: occupancy (caps) is counted from here
 CREATE INDEX batches_live ON batches (tenant_id) WHERE ended_at IS NULL;
@@ -110,3 +114,14 @@ CREATE INDEX jobs_by_batch ON jobs (batch_id) WHERE batch_id IS NOT NULL;
 CREATE INDEX jobs_dead ON jobs (tenant_id, finished_at) WHERE status = 'dead';
 CREATE UNIQUE INDEX jobs_idempotency ON jobs (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL;
 
+-- Refused egress requests, attributed to the job that was running.
+CREATE TABLE egress_blocks (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant_id  text NOT NULL,
+    batch_id   bigint NOT NULL REFERENCES batches (batch_id) ON DELETE CASCADE,
+    job_id     bigint,
+    host       text NOT NULL CONSTRAINT egress_block_host_length CHECK (length(host) <= 300),
+    reason     text NOT NULL CONSTRAINT egress_block_reason_length CHECK (length(reason) <= 1000),
+    blocked_at timestamptz NOT NULL
+);
+CREATE INDEX egress_blocks_job ON egress_blocks (tenant_id, job_id);

@@ -3,16 +3,17 @@
 -- name: upsert
 -- `tenantq tenant set`: NULL arguments leave the stored value alone; a cap
 -- of 0 from the CLI is mapped to NULL (no cap) before it gets here.
-INSERT INTO tenants AS t (tenant_id, weight, max_sandboxes)
-VALUES (%(tenant_id)s, coalesce(%(weight)s, 1), %(max_sandboxes)s)
+INSERT INTO tenants AS t (tenant_id, weight, max_sandboxes, egress)
+VALUES (%(tenant_id)s, coalesce(%(weight)s, 1), %(max_sandboxes)s, coalesce(%(egress)s::text[], '{}'))
 ON CONFLICT (tenant_id) DO UPDATE
 SET weight = coalesce(%(weight)s, t.weight),
     max_sandboxes = CASE WHEN %(clear_cap)s THEN NULL
-                         ELSE coalesce(%(max_sandboxes)s, t.max_sandboxes) END
-RETURNING tenant_id, weight, max_sandboxes;
+                         ELSE coalesce(%(max_sandboxes)s, t.max_sandboxes) END,
+    egress = coalesce(%(egress)s::text[], t.egress)
+RETURNING tenant_id, weight, max_sandboxes, egress;
 
 -- name: list
-SELECT t.tenant_id, t.weight, t.max_sandboxes,
+SELECT t.tenant_id, t.weight, t.max_sandboxes, t.egress,
        (SELECT count(*) FROM batches b
         WHERE b.tenant_id = t.tenant_id AND b.ended_at IS NULL AND b.lease_expires_at > now()) AS live_batches,
        (SELECT coalesce(sum(q.deficit), 0) FROM queues q WHERE q.tenant_id = t.tenant_id) AS deficit

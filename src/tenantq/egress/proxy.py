@@ -1,0 +1,415 @@
+"""The egress proxy: one per sandboxed batch, listening on a Unix socket that
+is bound into that batch's sandbox only (the sandbox itself has no network).
+
+It speaks the two forms HTTP clients use through a proxy: `CONNECT host:port`
+(HTTPS, tunnelled) and plain HTTP with an absolute URI. Each request is
+checked against the batch's policy (its tenant's rules, narrowed by the
+running job's handler) BEFORE any name is resolved, so a disallowed name
+never reaches DNS; an allowed name is resolved here and every address it
+resolves to that is loopback, link-local, private, multicast or reserved is
+refused (no SSRF into the host, its Postgres or the cloud metadata service),
+unless the operator explicitly allowed that network. A refusal is a `403`
+whose reason names the host, which the job sees in its client's error.
+
+All proxies of a dispatcher share one asyncio event loop on one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import re
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
+from tenantq.egress.tls import TenantCA, upstream_context
+
+HEADER_LIMIT = 64 * 1024
+HEADER_TIMEOUT_SECONDS = 10.0
+CONNECT_TIMEOUT_SECONDS = 10.0
+MAX_RECORDED_BLOCKS = 50
+CHUNK = 64 * 1024
+_PRINTABLE = re.compile(r"[^\x21-\x7e]")
+# (job id, the handler's narrowing rules or None) of the job running now
+CurrentJob = Callable[[], tuple[int | None, tuple[Rule, ...] | None]]
+
+
+@dataclass(frozen=True)
+class Injection:
+    """A secret the sandbox sees only as `placeholder`: the proxy puts `value`
+    in its place (and, with `header`, sets that header) on HTTPS requests to
+    hosts matching `rule`; a request carrying the placeholder anywhere else
+    is blocked."""
+
+    name: str
+    value: str
+    placeholder: str
+    rule: Rule
+    header: str | None = None
+    template: str = "{value}"
+
+
+@dataclass
+class EgressStats:
+    """What one batch's sandbox did on the network."""
+
+    allowed: int = 0
+    blocked: int = 0
+    bytes_out: int = 0  # sandbox -> destination
+    bytes_in: int = 0
+    blocks: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self) -> dict[str, int]:
+        return {"allowed": self.allowed, "blocked": self.blocked, "bytes_out": self.bytes_out,
+                "bytes_in": self.bytes_in}
+
+
+class AddressGuard:
+    """Which resolved addresses a sandbox may never be connected to."""
+
+    def __init__(self, allowed_networks: Iterable[str] = ()) -> None:
+        # only for tests and deliberate setups: a test server on 127.0.0.1
+        self.allowed = tuple(ipaddress.ip_network(n, strict=False) for n in allowed_networks)
+
+    def refusal(self, address: str) -> str | None:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if any(ip in net for net in self.allowed):
+            return None
+        for flag in ("loopback", "unspecified", "link_local", "private", "multicast", "reserved"):
+            if getattr(ip, f"is_{flag}"):
+                return f"{flag.replace('_', '-')} address {ip}"
+        return None
+
+
+class BatchProxy:
+    def __init__(self, path: Path, policy: EgressPolicy, guard: AddressGuard, current_job: CurrentJob,
+                 on_event: Callable[[str, str, int], None] | None = None,
+                 injections: tuple[Injection, ...] = (), ca: TenantCA | None = None,
+                 upstream_tls: ssl.SSLContext | None = None) -> None:
+        self.path = path
+        # with injected secrets every CONNECT is intercepted (TLS terminated
+        # with the tenant's CA), so no request can smuggle a placeholder
+        self.injections = injections
+        self.ca = ca if injections else None
+        self.upstream_tls = upstream_tls
+        self.policy = policy
+        self.guard = guard
+        self.current_job = current_job
+        self.stats = EgressStats()
+        self.on_event = on_event  # (outcome, direction-or-host, amount) for metrics
+        self.server: asyncio.AbstractServer | None = None
+        # open streams, cut when the batch ends (a later batch never inherits one)
+        self.streams: set[asyncio.StreamWriter] = set()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.streams.add(writer)
+        try:
+            await self._handle(reader, writer)
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            pass
+        finally:
+            self.streams.discard(writer)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_SECONDS)
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+            await _reply(writer, 400, "tenantq egress: malformed or oversized request head")
+            return
+        lines = head.decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        target = _parse_target(parts)
+        if target is None:
+            await _reply(writer, 400, "tenantq egress: expected CONNECT host:port or an absolute http:// URI")
+            return
+        method, host, port, path = target
+        job_id, narrowed = self.current_job()
+        shown = _PRINTABLE.sub("?", f"{host}:{port}")[:200]
+        if not self.policy.allows(host, port, narrowed):
+            scope = "its handler" if self.policy.allows(host, port) else f"tenant {self.policy.tenant}"
+            await self._block(writer, job_id, shown, f"{shown} is not allowed for {scope}")
+            return
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                CONNECT_TIMEOUT_SECONDS)
+        except (OSError, TimeoutError):
+            await _reply(writer, 502, f"tenantq egress: cannot resolve {shown}")
+            return
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        usable = [a for a in addresses if self.guard.refusal(a) is None]
+        if not usable:
+            reason = self.guard.refusal(addresses[0]) if addresses else "no address"
+            await self._block(writer, job_id, shown, f"{shown} resolves to a {reason}")
+            return
+        if method == "CONNECT" and self.ca is not None:
+            await self._intercept(reader, writer, host, port, usable, job_id, shown)
+            return
+        if method != "CONNECT" and self.injections:
+            reason = self._smuggled(head, host, port, tls=False)
+            if reason is not None:
+                await self._block(writer, job_id, shown, reason)
+                return
+        upstream = await self._connect(usable, port)
+        if upstream is None:
+            await _reply(writer, 502, f"tenantq egress: cannot connect to {shown}")
+            return
+        up_reader, up_writer = upstream
+        self.streams.add(up_writer)
+        self.stats.allowed += 1
+        if self.on_event:
+            self.on_event("allowed", "", 1)
+        if method == "CONNECT":
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            up_writer.write(_origin_form(method, path, lines[1:]))
+        await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=False)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, host: str, port: int,
+                     job_id: int | None, shown: str, *, tls: bool) -> None:
+        def check(data: bytes) -> str | None:
+            return self._smuggled(data, host, port, tls=tls) if self.injections else None
+
+        try:
+            out = self._pipe(reader, up_writer, "out", check)
+            blocked = await asyncio.gather(out, self._pipe(up_reader, writer, "in"))
+            if blocked[0]:
+                await self._record_block(job_id, shown, blocked[0])
+                writer.close()
+        finally:
+            self.streams.discard(up_writer)
+            up_writer.close()
+
+    async def _intercept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
+                         port: int, usable: list[str], job_id: int | None, shown: str) -> None:
+        """Terminate the tunnel's TLS with the tenant's CA, inject secrets
+        into the request head, and forward it over verified TLS."""
+        assert self.ca is not None
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await writer.drain()
+        await writer.start_tls(self.ca.server_context(host))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_SECONDS)
+        injected = self._inject(head, host, port)
+        if isinstance(injected, str):
+            await self._block(writer, job_id, shown, injected)
+            return
+        upstream = await self._connect(usable, port, tls_host=host)
+        if upstream is None:
+            await _reply(writer, 502, f"tenantq egress: cannot connect to {shown} over verified TLS")
+            return
+        up_reader, up_writer = upstream
+        self.streams.add(up_writer)
+        self.stats.allowed += 1
+        if self.on_event:
+            self.on_event("allowed", "", 1)
+        up_writer.write(injected)
+        await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=True)
+
+    def _smuggled(self, data: bytes, host: str, port: int, *, tls: bool) -> str | None:
+        """Why `data` (going to host:port) must not pass: it carries a placeholder
+        to a host its secret is not for, or in clear text."""
+        for inj in self.injections:
+            if inj.placeholder.encode() in data:
+                if not inj.rule.matches(host, port):
+                    return (f"the placeholder of secret {inj.name} may only go to {inj.rule}, "
+                            f"not {host}:{port}")
+                if not tls:
+                    return f"secret {inj.name} is injected over HTTPS only"
+        return None
+
+    def _inject(self, head: bytes, host: str, port: int) -> bytes | str:
+        """The request head with placeholders swapped for values (and injected
+        headers set), or the reason it is refused."""
+        reason = self._smuggled(head, host, port, tls=True)
+        if reason is not None:
+            return reason
+        lines = head.decode("latin-1").split("\r\n")
+        request, headers = lines[0], [h for h in lines[1:] if h]
+        for inj in self.injections:
+            if not inj.rule.matches(host, port):
+                continue
+            headers = [h.replace(inj.placeholder, inj.value) for h in headers]
+            request = request.replace(inj.placeholder, inj.value)
+            if inj.header:
+                name = inj.header.lower()
+                headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != name]
+                headers.append(f"{inj.header}: {inj.template.format(value=inj.value)}")
+        headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != "connection"]
+        return ("\r\n".join([request, *headers, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
+
+    async def _connect(self, addresses: list[str], port: int, *, tls_host: str | None = None,
+                       ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        for address in addresses:
+            try:
+                if tls_host is None:
+                    opened = asyncio.open_connection(address, port)
+                else:
+                    tls = self.upstream_tls or upstream_context()
+                    opened = asyncio.open_connection(address, port, ssl=tls, server_hostname=tls_host)
+                return await asyncio.wait_for(opened, CONNECT_TIMEOUT_SECONDS)
+            except (OSError, TimeoutError, ssl.SSLError):
+                continue
+        return None
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str,
+                    check: Callable[[bytes], str | None] | None = None) -> str | None:
+        """Copy until EOF; with `check`, stop (returning why) at data that must not pass."""
+        longest = max((len(i.placeholder) for i in self.injections), default=1)
+        carry = b""
+        try:
+            while chunk := await src.read(CHUNK):
+                if check is not None:
+                    # the previous chunk's tail too: a placeholder split across reads
+                    reason = check(carry + chunk)
+                    if reason is not None:
+                        return reason
+                    carry = (carry + chunk)[-longest:]
+                dst.write(chunk)
+                await dst.drain()
+                if direction == "out":
+                    self.stats.bytes_out += len(chunk)
+                else:
+                    self.stats.bytes_in += len(chunk)
+                if self.on_event:
+                    self.on_event("bytes", direction, len(chunk))
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            with contextlib.suppress(OSError, RuntimeError, AttributeError):
+                if dst.can_write_eof():
+                    dst.write_eof()
+                else:  # TLS cannot half-close: the other side learns of the end by a close
+                    dst.close()
+        return None
+
+    async def _block(self, writer: asyncio.StreamWriter, job_id: int | None, host: str, reason: str) -> None:
+        await self._record_block(job_id, host, reason)
+        await _reply(writer, 403, f"tenantq egress: {reason}")
+
+    async def _record_block(self, job_id: int | None, host: str, reason: str) -> None:
+        self.stats.blocked += 1
+        if len(self.stats.blocks) < MAX_RECORDED_BLOCKS:
+            self.stats.blocks.append({"job_id": job_id, "host": host, "reason": reason, "at": time.time()})
+        if self.on_event:
+            self.on_event("blocked", host, 1)
+
+
+def _parse_target(parts: list[str]) -> tuple[str, str, int, str] | None:
+    """(method, host, port, origin-form path) of a proxy request line."""
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        return None
+    method, target = parts[0], parts[1]
+    if not method.isalpha() or not method.isupper():
+        return None
+    if method == "CONNECT":
+        host, sep, port_text = target.rpartition(":")
+        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            return None
+        return method, normalise_host(host), int(port_text), ""
+    try:
+        url = urlsplit(target)
+        port = url.port or 80
+    except ValueError:
+        return None
+    if url.scheme != "http" or not url.hostname:
+        return None
+    path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+    return method, normalise_host(url.hostname), port, path
+
+
+def _origin_form(method: str, path: str, header_lines: list[str]) -> bytes:
+    kept = [h for h in header_lines if h and not h.lower().startswith(("proxy-", "connection:"))]
+    head = "\r\n".join([f"{method} {path} HTTP/1.1", *kept, "Connection: close"])
+    return (head + "\r\n\r\n").encode("latin-1")
+
+
+async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> None:
+    # the reason phrase carries the message: clients put it in their error
+    reason = message.replace("\r", " ").replace("\n", " ")[:300]
+    body = (message + "\n").encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain\r\nX-Tenantq-Egress: refused\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    writer.write(head.encode("latin-1", "replace") + body)
+    with contextlib.suppress(OSError):
+        await writer.drain()
+
+
+def _bound_socket(path: Path) -> socket.socket:
+    """A listening Unix socket at `path`, however long the path: a socket
+    address holds at most 107 bytes, so it is bound through a short
+    /proc/self/fd/N/NAME alias of its directory."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path.name, dir_fd=dir_fd)
+        sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
+        os.chmod(path.name, 0o666, dir_fd=dir_fd)  # the parent dir is what keeps other users out
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+class EgressHub:
+    """One event loop thread serving every batch proxy of this dispatcher."""
+
+    def __init__(self, guard: AddressGuard | None = None, upstream_tls: ssl.SSLContext | None = None) -> None:
+        self.guard = guard or AddressGuard()
+        self.upstream_tls = upstream_tls
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="tenantq-egress", daemon=True)
+        self._thread.start()
+
+    def open(self, path: Path, policy: EgressPolicy, current_job: CurrentJob,
+             on_event: Callable[[str, str, int], None] | None = None,
+             injections: tuple[Injection, ...] = (), ca: TenantCA | None = None) -> BatchProxy:
+        """Listen on `path` (a new socket the sandbox's uid may connect to)."""
+        proxy = BatchProxy(path, policy, self.guard, current_job, on_event, injections, ca, self.upstream_tls)
+
+        async def start() -> None:
+            proxy.server = await asyncio.start_unix_server(proxy.handle, sock=_bound_socket(path),
+                                                           limit=HEADER_LIMIT)
+
+        asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout=10)
+        return proxy
+
+    def close(self, proxy: BatchProxy) -> EgressStats:
+        """Stop listening and cut every connection of this batch."""
+
+        async def stop() -> None:
+            if proxy.server is not None:
+                proxy.server.close()
+            for stream in list(proxy.streams):
+                stream.close()
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=10)
+        with contextlib.suppress(FileNotFoundError):
+            proxy.path.unlink()
+        return proxy.stats
+
+    def shutdown(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()

@@ -1,0 +1,58 @@
+"""Handlers for the egress tests: what a job can reach, and how it fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+import tenantq
+
+
+def _get(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=15) as resp:
+            return {"ok": True, "status": resp.status, "body": resp.read().decode()}
+    except urllib.error.HTTPError as exc:
+        return {"ok": False, "status": exc.code, "error": f"{exc.code} {exc.reason}"}
+    except (urllib.error.URLError, OSError) as exc:
+        return {"ok": False, "error": str(getattr(exc, "reason", exc))}
+
+
+@tenantq.handler("net.get", timeout=30, memory_mb=128)
+def get(payload: dict[str, Any], ctx: tenantq.JobContext) -> list[dict[str, Any]]:
+    """GET each URL through whatever the sandbox offers (HTTP_PROXY)."""
+    return [_get(url) for url in payload["urls"]]
+
+
+@tenantq.handler("net.narrowed", timeout=30, memory_mb=128, egress=["localhost"])
+def narrowed(payload: dict[str, Any], ctx: tenantq.JobContext) -> list[dict[str, Any]]:
+    """Same, but its handler allows only localhost:80/443 whatever the tenant allows."""
+    return [_get(url) for url in payload["urls"]]
+
+
+@tenantq.handler("net.direct", timeout=30, memory_mb=128)
+def direct(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
+    """Try to get out without the proxy: TCP to addresses, and any Unix socket
+    path given (another batch's proxy)."""
+    out: dict[str, Any] = {"tcp": {}, "unix": {}, "egress_dir": None}
+    for host, port in payload.get("tcp", []):
+        try:
+            with socket.create_connection((host, port), timeout=5):
+                out["tcp"][f"{host}:{port}"] = "connected"
+        except OSError as exc:
+            out["tcp"][f"{host}:{port}"] = f"{type(exc).__name__}: {exc}"
+    for path in payload.get("unix", []):
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect(path)
+                out["unix"][path] = "connected"
+        except OSError as exc:
+            out["unix"][path] = f"{type(exc).__name__}: {exc}"
+    if os.path.isdir("/tenantq/egress"):
+        out["egress_dir"] = sorted(os.listdir("/tenantq/egress"))
+    out["proxy_env"] = os.environ.get("HTTPS_PROXY")
+    return out

@@ -1,0 +1,121 @@
+"""Host-side credential injection on real sockets: the proxy terminates TLS
+with the tenant's CA, swaps the placeholder for the secret only on requests
+to the secret's host (over TLS it verifies upstream), and blocks the
+placeholder anywhere else."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tenantq.egress.policy import EgressPolicy, parse_rule, parse_rules
+from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub, Injection
+from tenantq.egress.tls import TenantCA, upstream_context
+
+SECRET = "sk_live_real_value_never_in_the_sandbox"
+PLACEHOLDER = "tenantq-placeholder-API_KEY-0123456789abcdef"
+
+
+class Echo(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = json.dumps({"server": self.server.name, "headers": dict(self.headers)}).encode()  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def upstream_ca(tmp_path: Path) -> TenantCA:
+    """Stands in for the public CAs real servers have certificates from."""
+    return TenantCA(tmp_path / "public", "upstream")
+
+
+@pytest.fixture
+def https_servers(upstream_ca: TenantCA) -> Iterator[dict[str, int]]:
+    started = []
+    for name in ("stripe", "elsewhere"):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+        server.name = name  # type: ignore[attr-defined]
+        server.socket = upstream_ca.server_context("127.0.0.1").wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        started.append(server)
+    yield {s.name: s.server_address[1] for s in started}  # type: ignore[attr-defined]
+    for s in started:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, upstream_ca: TenantCA, https_servers: dict[str, int]) -> Iterator[BatchProxy]:
+    hub = EgressHub(AddressGuard(["127.0.0.1/32"]), upstream_context(str(upstream_ca.dir / "ca.pem")))
+    stripe, elsewhere = https_servers["stripe"], https_servers["elsewhere"]
+    tenant_ca = TenantCA(tmp_path / "cas", "acme")
+    injection = Injection("API_KEY", SECRET, PLACEHOLDER, parse_rule(f"127.0.0.1:{stripe}"),
+                          header="Authorization", template="Bearer {value}")
+    policy = EgressPolicy("acme", parse_rules(f"127.0.0.1:{stripe},127.0.0.1:{elsewhere}"))
+    opened = hub.open(tmp_path / "p.sock", policy, lambda: (3, None), injections=(injection,), ca=tenant_ca)
+    opened.tenant_ca = tenant_ca  # type: ignore[attr-defined]
+    yield opened
+    hub.close(opened)
+    hub.shutdown()
+
+
+def _https_get(proxy: BatchProxy, port: int, headers: dict[str, str]) -> tuple[int, str]:
+    """CONNECT through the proxy socket, then TLS trusting only the tenant's CA."""
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(10)
+    raw.connect(str(proxy.path))
+    raw.sendall(f"CONNECT 127.0.0.1:{port} HTTP/1.1\r\n\r\n".encode())
+    assert raw.recv(4096).startswith(b"HTTP/1.1 200")
+    ctx = ssl.create_default_context(cadata=proxy.tenant_ca.cert_pem.decode())  # type: ignore[attr-defined]
+    with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        lines = ["GET /charge HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers.items())]
+        tls.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body.decode()
+
+
+def test_the_secret_is_injected_only_for_its_host(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
+    status, body = _https_get(proxy, https_servers["stripe"], {"X-Api-Key": PLACEHOLDER})
+    assert status == 200, body
+    seen = json.loads(body)["headers"]
+    assert seen["Authorization"] == f"Bearer {SECRET}"
+    assert seen["X-Api-Key"] == SECRET, "the placeholder is swapped wherever it is in the head"
+    # without the placeholder the header is still set for that host
+    status, body = _https_get(proxy, https_servers["stripe"], {})
+    assert json.loads(body)["headers"]["Authorization"] == f"Bearer {SECRET}"
+
+
+def test_the_placeholder_to_another_host_is_blocked(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
+    status, body = _https_get(proxy, https_servers["elsewhere"], {"X-Exfil": PLACEHOLDER})
+    assert status == 403
+    assert f"placeholder of secret API_KEY may only go to 127.0.0.1:{https_servers['stripe']}" in body
+    # and nothing is injected for other hosts
+    status, body = _https_get(proxy, https_servers["elsewhere"], {})
+    assert status == 200 and "Authorization" not in json.loads(body)["headers"]
+    assert proxy.stats.blocks and proxy.stats.blocks[0]["job_id"] == 3
+
+
+def test_the_placeholder_never_goes_in_clear_text(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(proxy.path))
+        url = f"http://127.0.0.1:{https_servers['stripe']}/"
+        s.sendall(f"GET {url} HTTP/1.1\r\nX: {PLACEHOLDER}\r\n\r\n".encode())
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 403 tenantq egress: secret API_KEY is injected over HTTPS only")
