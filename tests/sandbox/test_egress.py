@@ -6,9 +6,13 @@ servers listen on 127.0.0.1; the proxy's guard allows exactly 127.0.0.1/32
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,13 +20,17 @@ import pytest
 import tests.apps.net  # noqa: F401  (registers net.* here too: the host applies handler narrowing)
 from tenantq import JobSpec, Queue
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.egress.tls import TenantCA
 from tenantq.observe import metrics
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.egress import EgressConfig
+from tenantq.secrets import FileSecrets
 from tenantq.store.db import Database
+from tenantq.testing import wait_until
 from tests.acceptance.helpers import query
+from tests.sandbox.conftest import files_containing, processes_mentioning
 
 NET_APP = "tests.apps.net"
 
@@ -117,3 +125,156 @@ def test_a_handler_narrows_its_tenant_policy(driver: SandboxDriver, db: Database
     refused = queue.job(narrow).result[0]
     assert refused["status"] == 403 and "not allowed for its handler" in refused["error"], refused
     assert [b["host"] for b in queue.job(narrow).egress_blocked] == [f"127.0.0.1:{servers['alpha']}"]
+
+
+class AuthDigest(BaseHTTPRequestHandler):
+    """Answers with a digest of the Authorization header it got (echoing the
+    header itself would carry the secret into the sandbox)."""
+
+    def do_GET(self) -> None:
+        auth = self.headers.get("Authorization", "")
+        body = json.dumps({"auth_sha256": hashlib.sha256(auth.encode()).hexdigest()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _memfd_contains(pid: int, needle: bytes) -> bool:
+    """gVisor keeps the guest's memory in a memfd of its sentry: read the
+    file's data extents (SEEK_DATA/SEEK_HOLE), never faulting holes in (that
+    would charge the sandbox's memory cgroup)."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if not os.readlink(fd).startswith("/memfd:"):
+                continue
+            handle = os.open(fd, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            size, offset = os.fstat(handle).st_size, 0
+            while offset < size:
+                try:
+                    data = os.lseek(handle, offset, os.SEEK_DATA)
+                    hole = os.lseek(handle, data, os.SEEK_HOLE)
+                except OSError:
+                    break
+                position = data
+                while position < hole:
+                    chunk = os.pread(handle, min(SCAN_CHUNK, hole - position) + len(needle), position)
+                    if needle in chunk:
+                        return True
+                    position += SCAN_CHUNK
+                offset = hole
+        finally:
+            os.close(handle)
+    return False
+
+
+def _memory_contains(pid: int, needle: bytes) -> bool:
+    """Does process `pid`'s memory hold `needle`? (root, on the host)"""
+    if _memfd_contains(pid, needle):
+        return True
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        mem = open(f"/proc/{pid}/mem", "rb", buffering=0)  # noqa: SIM115
+    except OSError:
+        return False
+    with mem:
+        for line in maps:
+            fields = line.split()
+            span, perms = fields[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if "r" not in perms or end - start > MAX_REGION or "memfd:" in line:
+                continue
+            offset = start
+            while offset < end:
+                try:
+                    mem.seek(offset)
+                    chunk = mem.read(min(SCAN_CHUNK, end - offset) + len(needle))
+                except (OSError, OverflowError, ValueError):
+                    break
+                if needle in chunk:
+                    return True
+                offset += SCAN_CHUNK
+    return False
+
+
+MAX_REGION = 256 << 20
+
+
+def _with_descendants(roots: set[int]) -> list[int]:
+    """The sandbox's processes: those naming its dir (bwrap, runsc) and every
+    process below them (the guest Python of the process driver)."""
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parent[int(stat.parent.name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found = set(roots)
+    grew = True
+    while grew:
+        grown = {pid for pid, ppid in parent.items() if ppid in found} - found
+        found |= grown
+        grew = bool(grown)
+    return sorted(found)
+SCAN_CHUNK = 8 << 20
+
+
+def test_an_injected_secret_never_enters_the_sandbox(
+        driver: SandboxDriver, db: Database, queue: Queue, servers: dict[str, int], tmp_path: Path,
+        data_dir: Path) -> None:
+    secret = f"sk_live_{os.getpid()}_{tmp_path.name[-6:]}_never_inside"
+    public = TenantCA(tmp_path / "public", "upstream")  # stands in for the public CAs
+    server = ThreadingHTTPServer(("127.0.0.1", 0), AuthDigest)
+    server.socket = public.server_context("127.0.0.1").wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    https_port = server.server_address[1]
+    try:
+        secrets_file = tmp_path / "secrets.json"
+        secrets_file.write_text(json.dumps({"tenant-a": {"API_KEY": {"value": secret, "inject": {
+            "host": f"127.0.0.1:{https_port}", "header": "Authorization", "format": "Bearer {value}"}}}}))
+        queue.set_tenant("tenant-a", egress=f"127.0.0.1:{https_port},127.0.0.1:{servers['alpha']}")
+        job = queue.enqueue("tenant-a", "net.secret_probe", {
+            "stripe": f"https://127.0.0.1:{https_port}/v1/charges",
+            "other": f"http://127.0.0.1:{servers['alpha']}/"})
+        provider = FileSecrets(secrets_file)  # as `tenantq worker --secrets FILE` wires it
+        executor = SandboxExecutor(driver, REGISTRY, NET_APP, secrets=provider,
+                                   egress=EgressConfig(allow_networks=("127.0.0.1/32",),
+                                                       upstream_ca=str(public.dir / "ca.pem")))
+        worker = Worker(db, executor, WorkerConfig(concurrency=1, batch_size=1, once=True),
+                        secrets=provider.for_tenant)
+        runner = threading.Thread(target=worker.run)
+        runner.start()
+        try:
+            base = data_dir / "sandboxes" / driver.name
+            work = wait_until(lambda: next((p / "work" for p in base.glob("tq-*") if (p / "work" / "probed")
+                                            .exists()), None), timeout=120, message="the job to be probed")
+            sandbox_pids = _with_descendants({pid for pid, _ in processes_mentioning(str(data_dir))})
+            assert sandbox_pids, "no sandbox process to scan"
+            leaking = [pid for pid in sandbox_pids if _memory_contains(pid, secret.encode())]
+            in_files = files_containing(work.parent, [secret])
+        finally:
+            if work.exists():
+                (work / "release").write_text("")
+            runner.join(timeout=120)
+        assert leaking == [] and in_files == [], (leaking, in_files, queue.job(job))
+    finally:
+        server.shutdown()
+        server.server_close()
+    info = queue.job(job)
+    assert info.status == "done", info.last_error
+    result = info.result
+    assert result["env_value"].startswith("tenantq-placeholder-API_KEY-") and secret not in json.dumps(result)
+    assert result["ctx_value"] == result["env_value"]
+    assert result["stripe"]["status"] == 200, result
+    expected = hashlib.sha256(f"Bearer {secret}".encode()).hexdigest()
+    assert json.loads(result["stripe"]["body"])["auth_sha256"] == expected, "the proxy injected the secret"
+    assert result["leak"]["status"] == 403 and "secret API_KEY" in result["leak"]["error"], result
+    blocked = queue.job(job).egress_blocked
+    assert len(blocked) == 1 and "API_KEY" in blocked[0]["reason"]
