@@ -37,7 +37,8 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
     console.print(queues)
     fair = Table(title="Tenants")
     for col in ("tenant", "weight", "max sandboxes", "running batches", "deficit", "egress"):
-        fair.add_column(col, justify="left" if col in ("tenant", "egress") else "right")
+        fair.add_column(col, justify="left" if col in ("tenant", "egress") else "right",
+                        overflow="fold" if col == "egress" else "ellipsis")
     for t in tenants:
         cap = "-" if t["max_sandboxes"] is None else str(t["max_sandboxes"])
         fair.add_row(t["tenant_id"], str(t["weight"]), cap, str(t["live_batches"]),

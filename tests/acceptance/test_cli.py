@@ -289,6 +289,22 @@ def test_tenant_set_shows_in_status(cli: Cli) -> None:
     assert set(_tenants_by_id(cli.json("status"))) == {"acme"}
 
 
+def test_tenant_egress_rules(cli: Cli) -> None:
+    out = cli.ok("tenant", "set", "acme", "--egress", "api.stripe.com, *.salesforce.com:443")
+    assert out.strip().endswith("egress api.stripe.com, *.salesforce.com:443")
+    assert _tenants_by_id(cli.json("status"))["acme"]["egress"] == ["api.stripe.com", "*.salesforce.com:443"]
+    assert "api.stripe.com" in cli.ok("status")
+    # other settings leave the rules alone; "" removes them
+    cli.ok("tenant", "set", "acme", "--weight", "2")
+    assert _tenants_by_id(cli.json("status"))["acme"]["egress"] == ["api.stripe.com", "*.salesforce.com:443"]
+    for bad, message in (("exa mple.com", "not a host name"), ("ok.com:70000", "port must be 1-65535")):
+        res = cli.run("tenant", "set", "acme", "--egress", bad)
+        assert res.returncode == 1 and message in one_error_line(res.stderr)
+    assert _tenants_by_id(cli.json("status"))["acme"]["egress"] == ["api.stripe.com", "*.salesforce.com:443"]
+    assert cli.ok("tenant", "set", "acme", "--egress", "").strip().endswith("egress none")
+    assert _tenants_by_id(cli.json("status"))["acme"]["egress"] == []
+
+
 def test_reap_puts_back_jobs_of_an_expired_lease(cli: Cli, db: Database, queue: Queue) -> None:
     assert cli.ok("reap").startswith("reaped 0")
 

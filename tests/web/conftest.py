@@ -42,11 +42,18 @@ class Seeded:
 
 
 def seed(queue: Queue, db: Database) -> Seeded:
-    queue.set_tenant("acme", weight=3, max_sandboxes=2)
+    queue.set_tenant("acme", weight=3, max_sandboxes=2, egress="api.stripe.com,*.salesforce.com:443")
     queue.set_tenant("globex", weight=1)
     done = [queue.enqueue("acme", "demo.hello", {"n": n}) for n in range(3)]
     dead = [queue.enqueue("globex", "demo.fail", {"n": n}, max_attempts=1) for n in range(2)]
     drain(db, tenantq.REGISTRY)
+    # what a sandboxed run records when its egress proxy refuses a request
+    with db.connect() as conn:
+        conn.execute("INSERT INTO egress_blocks (tenant_id, batch_id, job_id, host, reason, blocked_at) "
+                     "SELECT j.tenant_id, b.batch_id, %(job)s, 'pastebin.com:443', "
+                     "'pastebin.com:443 is not allowed for tenant globex', now() FROM jobs j "
+                     "JOIN batches b ON b.tenant_id = j.tenant_id WHERE j.id = %(job)s LIMIT 1",
+                     {"job": dead[0]})
     # one live batch (a lease held by a worker that is "still running" it)
     running = [queue.enqueue("initech", "demo.sleep", {"seconds": 1}, priority="bulk")]
     with db.connect() as conn:

@@ -39,6 +39,9 @@ def test_browser_overview_job_page_and_retry(queue: Queue, seeded: Seeded, dashb
             for tenant in ("acme", "globex", "initech"):
                 expect(tenants.locator(f'tr[data-tenant="{tenant}"]')).to_be_visible()
             expect(tenants.locator('tr[data-tenant="acme"]')).to_contain_text("3")  # weight
+            expect(tenants.locator('tr[data-tenant="acme"] td.egress')).to_have_text(
+                "api.stripe.com, *.salesforce.com:443")
+            expect(tenants.locator('tr[data-tenant="globex"] td.egress')).to_have_text("none")
             expect(page.locator("#batches")).to_contain_text("gvisor")
             expect(page.locator("#failures")).to_contain_text("boom on attempt 1")
 
@@ -46,6 +49,7 @@ def test_browser_overview_job_page_and_retry(queue: Queue, seeded: Seeded, dashb
             page.click(f'#dead tr[data-job="{dead_id}"] a')
             expect(page.locator("h1")).to_contain_text(f"Job {dead_id}")
             expect(page.locator("#last-error")).to_contain_text("boom on attempt 1")
+            expect(page.locator("#egress-blocked")).to_contain_text("pastebin.com:443 is not allowed")
             page.goto(f"{dashboard}/jobs/{seeded.done[0]}")
             expect(page.locator("#result")).to_contain_text('"hello": "acme"')
 
