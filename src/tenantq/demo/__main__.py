@@ -1,10 +1,12 @@
 """`python -m tenantq.demo` (the README's first command).
 
 A whale's bulk import next to small tenants' interactive reports, a flaky
-webhook, poison jobs (OOM, segfault, infinite loop, a parse error) and a
-tenant-supplied transform, drained by a sandboxed worker (gVisor where runsc
-works, else bubblewrap) with a live progress view; then what each tenant
-experienced.
+webhook, poison jobs (OOM, segfault, infinite loop, a parse error), a
+tenant-supplied transform, and network calls under per-tenant egress rules
+(acme may reach its CRM; mallory's exfiltration attempts are refused),
+drained by a sandboxed worker (gVisor where runsc works, else bubblewrap;
+sandboxes restored from a warm template and kept warm per tenant) with a live
+progress view; then what each tenant experienced.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import statistics
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import click
@@ -26,11 +29,14 @@ from tenantq import JobSpec, Queue
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import InvalidInput
+from tenantq.observe import metrics
 from tenantq.registry import REGISTRY, load_app
 from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import get_driver
+from tenantq.sandbox.egress import EgressConfig
 from tenantq.sandbox.executor import BatchExecutor
 from tenantq.sandbox.inline import InlineExecutor
+from tenantq.sandbox.warm import WarmPolicy
 from tenantq.settings import Settings
 from tenantq.store.db import Database
 
@@ -45,7 +51,31 @@ def _reset_schema(db: Database) -> None:
         conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
 
 
-def _enqueue(q: Queue, whale_jobs: int, small_jobs: int, poison: tuple[str, ...]) -> int:
+class _CRM(BaseHTTPRequestHandler):
+    """Stands in for a tenant's external CRM API (on 127.0.0.1, which the
+    demo's egress proxy is told to allow)."""
+
+    def do_GET(self) -> None:
+        body = b"record stored"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _egress_jobs(crm: str, sandboxed: bool) -> list[JobSpec]:
+    if not sandboxed:
+        return []
+    return [JobSpec("acme", "demo.push_crm", {"crm": crm}),
+            JobSpec("mallory", "demo.exfiltrate", {"targets": [crm, "http://pastebin.com/raw/upload"]},
+                    max_attempts=1)]
+
+
+def _enqueue(q: Queue, whale_jobs: int, small_jobs: int, poison: tuple[str, ...],
+             extra: list[JobSpec]) -> int:
     specs: list[JobSpec] = [
         JobSpec("whale", "demo.import_row", {"Email": f"user{i}@whale.example", "Plan": "pro"},
                 priority="bulk")
@@ -61,6 +91,7 @@ def _enqueue(q: Queue, whale_jobs: int, small_jobs: int, poison: tuple[str, ...]
     small.append(JobSpec("initech", "tenantq.python", {"source": TRANSFORM,
                                                         "input": [{"amount": 120}, {"amount": 80}]}))
     small += [JobSpec("mallory", kind, {"invoice": "INV-7"}, max_attempts=2) for kind in poison]
+    small += extra
     q.enqueue_many(small)
     return len(specs) + len(small)
 
@@ -88,10 +119,16 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, sandbox: str, schem
     db = Database.resolve(schema=schema)
     console.print(f"[bold]tenantq demo[/] on {db.dsn.split('@')[-1]} (schema {schema})")
     executor: BatchExecutor
+    crm_server = ThreadingHTTPServer(("127.0.0.1", 0), _CRM)
+    threading.Thread(target=crm_server.serve_forever, daemon=True).start()
+    crm_port = crm_server.server_address[1]
+    sandboxed = True
     try:
         driver, chosen = get_driver(sandbox, Settings().data_dir)
         console.print(chosen)
-        executor = SandboxExecutor(driver, REGISTRY, "tenantq.demo.handlers")
+        executor = SandboxExecutor(driver, REGISTRY, "tenantq.demo.handlers",
+                                   policy=WarmPolicy(keep_warm_seconds=30),
+                                   egress=EgressConfig(allow_networks=("127.0.0.1/32",)))
         poison: tuple[str, ...] = POISON
     except InvalidInput as exc:
         # No sandbox on this machine: run the trusted path so the demo still
@@ -101,13 +138,18 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, sandbox: str, schem
                       "the segfault, endless-loop and OOM jobs are left out.")
         executor = InlineExecutor(REGISTRY)
         poison = ("demo.parse_invoice",)
+        sandboxed = False
     _reset_schema(db)
     q = Queue(db.dsn, schema=schema)
     q.migrate()
     q.set_tenant("whale", max_sandboxes=2)
+    # acme may reach its CRM, mallory only its own API; every other tenant: no network
+    q.set_tenant("acme", egress=f"127.0.0.1:{crm_port}")
+    q.set_tenant("mallory", egress="api.mallory.example")
     load_app("tenantq.demo.handlers")
     t0 = time.perf_counter()
-    total = _enqueue(q, whale_jobs, small_jobs, poison)
+    crm = f"http://127.0.0.1:{crm_port}/records"
+    total = _enqueue(q, whale_jobs, small_jobs, poison, _egress_jobs(crm, sandboxed))
     console.print(f"enqueued {total} jobs in {time.perf_counter() - t0:.2f}s: whale {whale_jobs} bulk rows "
                   f"(capped at 2 sandboxes); {len(SMALL_TENANTS)} small tenants with {small_jobs} "
                   "interactive reports, a flaky webhook and an inline audit log each; initech's own "
@@ -131,12 +173,24 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, sandbox: str, schem
     elapsed = time.perf_counter() - t0
     worker.stop()
     runner.join()
+    crm_server.shutdown()
+    crm_server.server_close()
     _print_summary(_rows(db), elapsed, whale_jobs)
+    _print_sandboxes(executor.name)
     q.close()
     console.print(f"\nLook around: [bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dashboard[/] "
                   "(then open http://127.0.0.1:8080/) · "
                   f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq status[/] · "
                   f"[bold]TENANTQ_SCHEMA={schema} .venv/bin/tenantq dead list[/]")
+
+
+def _print_sandboxes(driver: str) -> None:
+    if driver == "inline":
+        return
+    starts = {origin: int(metrics.SANDBOX_STARTS.labels(driver, origin)._value.get())
+              for origin in ("cold", "template", "hibernated", "warm")}
+    console.print("sandboxes: " + ", ".join(f"{n} {origin}" for origin, n in starts.items() if n)
+                  + " (template = restored from the app's warm snapshot; warm = the tenant's kept sandbox)")
 
 
 def _print_summary(rows: list[dict[str, Any]], elapsed: float, whale_jobs: int) -> None:
@@ -166,6 +220,11 @@ def _print_summary(rows: list[dict[str, Any]], elapsed: float, whale_jobs: int) 
             console.print(f"initech's own transform ran sandboxed: result {transform['result']}")
         else:
             console.print(f"initech's own transform was refused: {str(transform['last_error'])[:80]}")
+    for r in rows:
+        if r["kind"] in ("demo.push_crm", "demo.exfiltrate") and r["result"]:
+            for target, outcome in ({"its CRM": r["result"]["crm"]} if "crm" in r["result"]
+                                    else r["result"]).items():
+                console.print(f"egress: {r['tenant_id']} -> {target}: {outcome}")
     dead = [r for r in rows if r["status"] == "dead"]
     if dead:
         console.print(f"[bold]{len(dead)} poison job(s) contained in the dead-letter list:[/]")

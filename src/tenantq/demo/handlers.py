@@ -69,3 +69,28 @@ def sync_forever(payload: dict[str, Any], ctx: tenantq.JobContext) -> None:
 def audit_log(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
     """Trusted first-party code: runs in the worker process (the shared-fleet path)."""
     return {"logged": payload.get("event"), "worker_pid": os.getpid()}
+
+
+def _fetch(url: str) -> str:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return f"{resp.status} {resp.read().decode()[:40]}"
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.reason}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"refused: {getattr(exc, 'reason', exc)}"
+
+
+@tenantq.handler("demo.push_crm", timeout=20, memory_mb=128)
+def push_crm(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
+    """Push a record to the tenant's CRM: allowed by its egress rules."""
+    return {"crm": _fetch(payload["crm"])}
+
+
+@tenantq.handler("demo.exfiltrate", timeout=20, memory_mb=128)
+def exfiltrate(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
+    """A hostile transform: tries another tenant's CRM and a paste site."""
+    return {target: _fetch(target) for target in payload["targets"]}
