@@ -46,10 +46,15 @@ def direct(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, Any]:
             out["tcp"][f"{host}:{port}"] = f"{type(exc).__name__}: {exc}"
     for path in payload.get("unix", []):
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(5)
-                s.connect(path)
-                out["unix"][path] = "connected"
+            # through the directory (a socket address holds only 107 bytes)
+            dir_fd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(5)
+                    s.connect(f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}")
+                    out["unix"][path] = "connected"
+            finally:
+                os.close(dir_fd)
         except OSError as exc:
             out["unix"][path] = f"{type(exc).__name__}: {exc}"
     if os.path.isdir("/tenantq/egress"):
@@ -80,3 +85,16 @@ def secret_probe(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, 
     while not os.path.exists("release") and time.monotonic() < deadline:
         time.sleep(0.05)
     return out
+
+
+@tenantq.handler("net.hold", timeout=60, memory_mb=128)
+def hold(payload: dict[str, Any], ctx: tenantq.JobContext) -> str:
+    """Keep the batch (and its egress proxy) open until the test releases it."""
+    import time
+
+    with open("holding", "w") as fh:
+        fh.write("holding")
+    deadline = time.monotonic() + 45
+    while not os.path.exists("release") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return "released"

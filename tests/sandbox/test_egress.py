@@ -278,3 +278,37 @@ def test_an_injected_secret_never_enters_the_sandbox(
     assert result["leak"]["status"] == 403 and "secret API_KEY" in result["leak"]["error"], result
     blocked = queue.job(job).egress_blocked
     assert len(blocked) == 1 and "API_KEY" in blocked[0]["reason"]
+
+
+def test_a_batch_cannot_use_another_batchs_proxy(driver: SandboxDriver, db: Database, queue: Queue,
+                                                 servers: dict[str, int], data_dir: Path) -> None:
+    queue.set_tenant("tenant-a", egress=f"127.0.0.1:{servers['alpha']}")
+    queue.set_tenant("tenant-b", egress=f"127.0.0.1:{servers['beta']}")
+    holding = queue.enqueue("tenant-a", "net.hold")
+    executor = SandboxExecutor(driver, REGISTRY, NET_APP,
+                               egress=EgressConfig(allow_networks=("127.0.0.1/32",)))
+    worker = Worker(db, executor, WorkerConfig(concurrency=2, batch_size=1, poll_seconds=0.1))
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    try:
+        base = data_dir / "sandboxes" / driver.name
+        a_box = wait_until(lambda: next((p for p in base.glob("tq-*") if (p / "work" / "holding").exists()),
+                                        None), timeout=120, message="tenant-a's batch to hold its proxy")
+        a_socket = a_box / "egress" / "proxy.sock"
+        assert a_socket.exists(), "tenant-a's proxy listens while its batch runs"
+        probe = queue.enqueue("tenant-b", "net.direct",
+                              {"unix": [str(a_socket), "/tenantq/egress/proxy.sock"]})
+        wait_until(lambda: queue.job(probe).status == "done", timeout=120, message="tenant-b's probe")
+    finally:
+        for box in base.glob("tq-*"):
+            if (box / "work" / "holding").exists():
+                (box / "work" / "release").write_text("")
+        wait_until(lambda: queue.job(holding).status == "done", timeout=120, message="the held batch to end")
+        worker.stop()
+        runner.join(timeout=120)
+    result = queue.job(probe).result
+    # tenant-a's socket does not exist in tenant-b's sandbox; its own proxy is its own
+    assert result["unix"][str(a_socket)].startswith("FileNotFoundError"), result
+    assert result["unix"]["/tenantq/egress/proxy.sock"] == "connected"
+    assert result["egress_dir"] == ["proxy.sock"]
+    assert not a_socket.exists(), "the proxy goes with its batch"
