@@ -219,3 +219,32 @@ def test_heartbeats_keep_a_job_longer_than_its_lease(queue: Queue, db: Database,
     lease = fetch_all(db, "SELECT created_at, heartbeat_at, outcome FROM batches")
     assert len(lease) == 1 and lease[0]["outcome"] == "ok"
     assert lease[0]["heartbeat_at"] > lease[0]["created_at"], "the lease was extended"
+
+
+class BrokenExecutor:
+    """An executor that cannot start anything (a sandbox runtime gone bad)."""
+
+    name = "broken"
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def run(self, batch: object, **kwargs: object) -> None:
+        self.calls.append(time.monotonic())
+        raise OSError("cannot start a sandbox")
+
+
+def test_a_failing_executor_backs_off_instead_of_spinning(queue: Queue, db: Database) -> None:
+    job_id = queue.enqueue("acme", "demo.hello")
+    broken = BrokenExecutor()
+    worker = Worker(db, broken, WorkerConfig(concurrency=1, poll_seconds=0.2))  # type: ignore[arg-type]
+    thread = WorkerThread(worker).start()
+    try:
+        wait_until(lambda: len(broken.calls) >= 3, timeout=30, message="three attempts to run the batch")
+    finally:
+        thread.stop_and_join()
+    gaps = [b - a for a, b in zip(broken.calls, broken.calls[1:], strict=False)]
+    # 1 s after the first failure, 2 s after the second: not a hot loop
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.9, gaps
+    info = queue.job(job_id)
+    assert info.status == "pending" and info.attempts == 0, "never started: no attempt used"

@@ -181,6 +181,7 @@ class Worker:
     # -- one slot ------------------------------------------------------
     def _slot(self, slot: int) -> None:
         failures = 0
+        executor_failures = 0
         while not self.stopping.is_set():
             seen = self.wakeup.generation
             try:
@@ -203,7 +204,13 @@ class Worker:
                     return
                 self.wakeup.wait(seen, self.config.poll_seconds)
                 continue
-            self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved))
+            if self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved)):
+                executor_failures = 0
+            else:
+                # the executor itself failed (a sandbox that cannot start):
+                # its unstarted jobs went back; do not spin on them
+                executor_failures += 1
+                self.stopping.wait(min(0.5 * 2**executor_failures, 30.0))
 
     def _claim(self) -> Batch | None:
         assert self._pool is not None
@@ -238,7 +245,8 @@ class Worker:
             return True
         return False
 
-    def _run_batch(self, batch: Batch, *, lent: bool = False) -> None:
+    def _run_batch(self, batch: Batch, *, lent: bool = False) -> bool:
+        """Run and settle one batch; False when the executor itself failed."""
         run = BatchRun(self, batch)
         self.stats.add(batches=1)
         outcome = "failed"
@@ -260,6 +268,7 @@ class Worker:
         if self.executor.name == "inline" or outcome == "failed":
             # sandboxed executors count their own outcomes, by how the sandbox ended
             metrics.BATCH_OUTCOMES.labels(self.executor.name, outcome).inc()
+        return outcome == "ok"
 
 
 class BatchRun:
