@@ -8,32 +8,18 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tenantq.egress.policy import EgressPolicy, parse_rule, parse_rules
 from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub, Injection
 from tenantq.egress.tls import TenantCA, upstream_context
+from tests.egress.servers import EchoHeaders, serving
 
 SECRET = "sk_live_real_value_never_in_the_sandbox"
 PLACEHOLDER = "tenantq-placeholder-API_KEY-0123456789abcdef"
-
-
-class Echo(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = json.dumps({"server": self.server.name, "headers": dict(self.headers)}).encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture
@@ -44,17 +30,8 @@ def upstream_ca(tmp_path: Path) -> TenantCA:
 
 @pytest.fixture
 def https_servers(upstream_ca: TenantCA) -> Iterator[dict[str, int]]:
-    started = []
-    for name in ("stripe", "elsewhere"):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
-        server.name = name  # type: ignore[attr-defined]
-        server.socket = upstream_ca.server_context("127.0.0.1").wrap_socket(server.socket, server_side=True)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield {s.name: s.server_address[1] for s in started}  # type: ignore[attr-defined]
-    for s in started:
-        s.shutdown()
-        s.server_close()
+    with serving(("stripe", "elsewhere"), EchoHeaders, tls=upstream_ca.server_context("127.0.0.1")) as ports:
+        yield ports
 
 
 @pytest.fixture

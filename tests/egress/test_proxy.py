@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import random
 import socket
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,32 +15,13 @@ import pytest
 
 from tenantq.egress.policy import EgressPolicy, parse_rules
 from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
-
-
-class Named(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = f"{self.server.name} {self.path}".encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+from tests.egress.servers import serving
 
 
 @pytest.fixture
 def servers() -> Iterator[dict[str, int]]:
-    started = []
-    for name in ("alpha", "beta"):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Named)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield {s.name: s.server_address[1] for s in started}  # type: ignore[attr-defined]
-    for s in started:
-        s.shutdown()
-        s.server_close()
+    with serving(("alpha", "beta"), echo_path=True) as ports:
+        yield ports
 
 
 @pytest.fixture

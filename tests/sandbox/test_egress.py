@@ -11,7 +11,6 @@ import json
 import os
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,35 +29,16 @@ from tenantq.secrets import FileSecrets
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
 from tests.acceptance.helpers import query
+from tests.egress.servers import Named, serving
 from tests.sandbox.conftest import files_containing, processes_mentioning
 
 NET_APP = "tests.apps.net"
 
 
-class Named(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = self.server.name.encode()  # type: ignore[attr-defined]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def servers() -> Iterator[dict[str, int]]:
-    started = []
-    for name in ("alpha", "beta"):
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Named)
-        server.name = name  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-    yield {s.name: s.server_address[1] for s in started}  # type: ignore[attr-defined]
-    for s in started:
-        s.shutdown()
-        s.server_close()
+    with serving(("alpha", "beta")) as ports:
+        yield ports
 
 
 def _drain(db: Database, driver: SandboxDriver) -> None:
@@ -127,20 +107,13 @@ def test_a_handler_narrows_its_tenant_policy(driver: SandboxDriver, db: Database
     assert [b["host"] for b in queue.job(narrow).egress_blocked] == [f"127.0.0.1:{servers['alpha']}"]
 
 
-class AuthDigest(BaseHTTPRequestHandler):
+class AuthDigest(Named):
     """Answers with a digest of the Authorization header it got (echoing the
     header itself would carry the secret into the sandbox)."""
 
-    def do_GET(self) -> None:
+    def body(self) -> bytes:
         auth = self.headers.get("Authorization", "")
-        body = json.dumps({"auth_sha256": hashlib.sha256(auth.encode()).hexdigest()}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args: Any) -> None:
-        pass
+        return json.dumps({"auth_sha256": hashlib.sha256(auth.encode()).hexdigest()}).encode()
 
 
 def _memfd_contains(pid: int, needle: bytes) -> bool:
@@ -231,11 +204,8 @@ def test_an_injected_secret_never_enters_the_sandbox(
         data_dir: Path) -> None:
     secret = f"sk_live_{os.getpid()}_{tmp_path.name[-6:]}_never_inside"
     public = TenantCA(tmp_path / "public", "upstream")  # stands in for the public CAs
-    server = ThreadingHTTPServer(("127.0.0.1", 0), AuthDigest)
-    server.socket = public.server_context("127.0.0.1").wrap_socket(server.socket, server_side=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    https_port = server.server_address[1]
-    try:
+    with serving(("stripe",), AuthDigest, tls=public.server_context("127.0.0.1")) as https:
+        https_port = https["stripe"]
         secrets_file = tmp_path / "secrets.json"
         secrets_file.write_text(json.dumps({"tenant-a": {"API_KEY": {"value": secret, "inject": {
             "host": f"127.0.0.1:{https_port}", "header": "Authorization", "format": "Bearer {value}"}}}}))
@@ -264,9 +234,6 @@ def test_an_injected_secret_never_enters_the_sandbox(
                 (work / "release").write_text("")
             runner.join(timeout=120)
         assert leaking == [] and in_files == [], (leaking, in_files, queue.job(job))
-    finally:
-        server.shutdown()
-        server.server_close()
     info = queue.job(job)
     assert info.status == "done", info.last_error
     result = info.result

@@ -169,16 +169,21 @@ class BatchProxy:
         if upstream is None:
             await _reply(writer, 502, f"tenantq egress: cannot connect to {shown}")
             return
-        up_reader, up_writer = upstream
-        self.streams.add(up_writer)
-        self.stats.allowed += 1
-        if self.on_event:
-            self.on_event("allowed", "", 1)
+        up_reader, up_writer = self._allowed(upstream)
         if method == "CONNECT":
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
             up_writer.write(_origin_form(method, path, lines[1:]))
         await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=False)
+
+    def _allowed(self, upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+                 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Count a request that got through, and track its upstream stream."""
+        self.streams.add(upstream[1])
+        self.stats.allowed += 1
+        if self.on_event:
+            self.on_event("allowed", "", 1)
+        return upstream
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, host: str, port: int,
@@ -213,11 +218,7 @@ class BatchProxy:
         if upstream is None:
             await _reply(writer, 502, f"tenantq egress: cannot connect to {shown} over verified TLS")
             return
-        up_reader, up_writer = upstream
-        self.streams.add(up_writer)
-        self.stats.allowed += 1
-        if self.on_event:
-            self.on_event("allowed", "", 1)
+        up_reader, up_writer = self._allowed(upstream)
         up_writer.write(injected)
         await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=True)
 
