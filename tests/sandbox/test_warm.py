@@ -119,14 +119,14 @@ def test_batches_restore_from_the_template_and_see_the_warmed_state(
 def test_children_of_one_image_are_independent_and_reseeded(
         data_dir: Path, harness: Callable[..., Harness]) -> None:
     h = harness(GVisorDriver(data_dir), WarmPolicy())
-    h.result("warm.state")
+    baseline_tmp = h.result("warm.inspect")["tmp"]
     (template,) = h.executor.store.templates()
     image_before = _tree_digest(template.image)
     polluted = h.run("warm.pollute", "warm.inspect")
     assert polluted[1].result["boot"] == "corrupted", "the polluting batch saw its own change"
     clean = h.result("warm.inspect")
     assert clean["boot"] != "corrupted" and clean["extra"] is None and clean["env"] is None, clean
-    assert clean["tmp"] == [] and clean["sleepers"] == [], clean
+    assert clean["tmp"] == baseline_tmp and clean["sleepers"] == [], clean
     assert "left-behind.txt" not in clean["work"], clean
     a, b = h.result("warm.state"), h.result("warm.state")
     for field in ("urandom", "random", "uuid"):
@@ -202,15 +202,18 @@ def test_a_kept_warm_sandbox_shows_batch_k_nothing_of_batch_k_minus_1(
         driver: SandboxDriver, harness: Callable[..., Harness]) -> None:
     h = harness(driver, WarmPolicy(keep_warm_seconds=60))
     first = h.result("warm.state", env={"TOKEN": "first-batch-secret"})
+    # what a fresh sandbox's /tmp holds: nothing, or the mount points of code
+    # that lives under the host's /tmp (a checkout in /tmp)
+    baseline_tmp = h.result("warm.inspect")["tmp"]
     polluted = h.run("warm.pollute", env={"TOKEN": "second-batch-secret"})
     assert polluted[0].ok, polluted
     clean = h.result("warm.inspect")
     again = h.result("warm.state", env={"TOKEN": "fourth-batch-secret"})
     ids = {sid for sid, _ in h.origins}
-    assert len(ids) == 1, f"one sandbox served all four batches: {h.origins}"
-    assert [o for _, o in h.origins][1:] == ["warm", "warm", "warm"]
+    assert len(ids) == 1, f"one sandbox served all five batches: {h.origins}"
+    assert [o for _, o in h.origins][1:] == ["warm", "warm", "warm", "warm"]
     assert clean["boot"] == first["boot"] and clean["extra"] is None and clean["env"] is None, clean
-    assert clean["tmp"] == [] and clean["sleepers"] == [], clean
+    assert clean["tmp"] == baseline_tmp and clean["sleepers"] == [], clean
     assert clean["work"] == ["batch.json", "results.jsonl"], clean
     # secrets are injected per batch, and only that batch's
     assert again["env"] == again["environ"] == "fourth-batch-secret"

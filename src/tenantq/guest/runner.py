@@ -219,9 +219,13 @@ def _kill(pid: int) -> None:
         pass
 
 
+KEEP_IN_TMP: set[str] = set()
+
+
 def _clean_up() -> None:
     """Nothing of a batch outlives it: kill every other process this uid can
-    signal (all but init and the parent) and empty /tmp."""
+    signal (all but init and the parent) and empty /tmp (but for the mount
+    points of read-only code that lives under the host's /tmp)."""
     import shutil
 
     with contextlib.suppress(ProcessLookupError):
@@ -233,6 +237,8 @@ def _clean_up() -> None:
         except ChildProcessError:
             break
     for name in os.listdir(TMP_DIR):
+        if name in KEEP_IN_TMP:
+            continue
         path = os.path.join(TMP_DIR, name)
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
@@ -243,6 +249,7 @@ def _clean_up() -> None:
 
 def serve(config: dict[str, Any]) -> int:
     boot(config)
+    KEEP_IN_TMP.update(config.get("keep_tmp", []))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)

@@ -67,8 +67,12 @@ class SandboxExecutor:
         self.guest: GuestPython = guest_python(app_module)
         self.inline = InlineExecutor(registry)
         self.tmp_mb, self.max_pids, self.cpus = tmp_mb, max_pids, cpus
+        # code mounted under /tmp (an app or venv in the host's /tmp) has its
+        # mount points in the sandbox's /tmp: the runner's clean-up keeps them
+        keep_tmp = sorted({Path(m.target).parts[2] for m in self.guest.mounts
+                           if Path(m.target).parts[:2] == ("/", "tmp") and len(Path(m.target).parts) > 2})
         boot = {"app": app_module, "sys_path": list(self.guest.sys_path),
-                "site_dirs": list(self.guest.site_dirs)}
+                "site_dirs": list(self.guest.site_dirs), "keep_tmp": keep_tmp}
         self.argv = [self.guest.executable, "-I", "-S", str(_runner_path()), json.dumps(boot)]
         self.store = SnapshotStore(driver.data_dir, driver.name)
         runsc = getattr(driver, "runsc", None)
