@@ -47,8 +47,9 @@ class InjectedSecret:
 
 class SecretsProvider(Protocol):
     def for_tenant(self, tenant: str) -> Mapping[str, str]:
-        """Every secret of the tenant by name (injected ones too: the
-        executor swaps those for placeholders before the sandbox sees them)."""
+        """The tenant's secrets that go into its sandboxes' environment.
+        Injected ones are never among them: the sandbox executor adds their
+        placeholders and gives the values only to the egress proxy."""
         ...
 
     def injected(self, tenant: str) -> tuple[InjectedSecret, ...]: ...
@@ -106,7 +107,6 @@ def parse_secrets(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, tupl
                 raise InvalidInput(f"{where}: names are identifiers")
             if isinstance(value, dict):
                 hosted.append(_injected(name, value, where))
-                plain[name] = hosted[-1].value
             elif isinstance(value, str):
                 plain[name] = value
             else:
