@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -309,3 +310,19 @@ def test_a_broken_template_is_dropped_and_batches_boot_cold(
     assert after["warmups"] == 1
     assert h.executor.store.templates() == [], "the broken template was removed"
     assert any("snapshots off" in r.getMessage() for r in caplog.records)
+
+
+def test_a_kept_sandbox_outlives_the_thread_that_made_it(
+        driver: SandboxDriver, harness: Callable[..., Harness]) -> None:
+    """Worker slots come and go (a --once slot ends when it finds no work);
+    the sandboxes they kept warm must not go with them."""
+    h = harness(driver, WarmPolicy(keep_warm_seconds=60))
+    first: list[Any] = []
+    maker = threading.Thread(target=lambda: first.append(h.result("warm.state")))
+    maker.start()
+    maker.join(timeout=120)
+    assert first, "the first batch did not finish"
+    # the thread is gone; the sandbox it made is still there for the next batch
+    second = h.result("warm.state")
+    (made, _), (reused, origin) = h.origins
+    assert reused == made and origin == "warm" and second["boot"] == first[0]["boot"], h.origins

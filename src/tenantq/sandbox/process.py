@@ -5,8 +5,11 @@ tmpfs /tmp, the work dir read-write, uid 65534 inside, and cgroup limits
 (memory, pids, CPU) on the host. Weaker than gVisor: the job's system calls
 reach the host kernel.
 
-The init is `timeout -s KILL <ttl>`; bwrap also dies with the dispatcher
-(`--die-with-parent`), so a killed dispatcher leaves nothing running.
+The guest runner exits when its stdin pipe from the dispatcher reaches EOF
+(the dispatcher died), and bwrap with it; other commands run under `timeout
+-s KILL <ttl>`; the reaper kills whatever is left in the sandbox's cgroup past
+its deadline. (Not `--die-with-parent`: that follows the *thread* that
+started bwrap, and a kept-warm sandbox outlives the worker slot that made it.)
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ class ProcessSandbox(HostSandbox):
     def _argv(self, argv: list[str], env: dict[str, str], *, self_limiting: bool) -> list[str]:
         spec = self.spec
         ttl = max(1, int(self.remaining_ttl()))
-        args = [self.driver.bwrap, "--die-with-parent", "--new-session", "--unshare-all",
+        args = [self.driver.bwrap, "--new-session", "--unshare-all",
                 "--uid", str(GUEST_UID), "--gid", str(GUEST_GID), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
