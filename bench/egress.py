@@ -12,6 +12,7 @@ told to allow exactly that address).
 from __future__ import annotations
 
 import http.client
+import shutil
 import socket
 import statistics
 import tempfile
@@ -140,6 +141,7 @@ def run(*, n: int = 500, setups: int = 200) -> dict[str, Any]:
         hub.shutdown()
         server.shutdown()
         server.server_close()
+        shutil.rmtree(tmp, ignore_errors=True)
     table = Table(title=f"egress: one GET per new connection to a local server, ms (host n={n})")
     for col in ("path", "p50", "p99", "added p50", "added p99"):
         table.add_column(col, justify="left" if col == "path" else "right")

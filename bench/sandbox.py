@@ -12,6 +12,7 @@ subprocess.
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -145,8 +146,11 @@ def run(*, n: int = 60, jobs_per_size: dict[int, int] | None = None) -> dict[str
                           f"{_pct(samples, 0.99) * 1000:.0f}", ratio)
     console.print(table)
     throughput: dict[str, dict[int, float]] = {}
-    for name in ("inline", *drivers):
-        throughput[name] = {size: end_to_end(name, size, jobs, data_dir) for size, jobs in sizes.items()}
+    try:
+        for name in ("inline", *drivers):
+            throughput[name] = {size: end_to_end(name, size, jobs, data_dir) for size, jobs in sizes.items()}
+    finally:
+        shutil.rmtree(data_dir, ignore_errors=True)
     t2 = Table(title="end to end: 10 ms handler, concurrency 2, cold sandboxes, jobs/s")
     t2.add_column("executor")
     for size in sizes:
