@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tenantq.egress.inject import Injection
 from tenantq.egress.policy import EgressPolicy, parse_rule, parse_rules
-from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub, Injection
+from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
 from tenantq.egress.tls import TenantCA, upstream_context
 from tests.egress.servers import EchoHeaders, serving
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from tenantq.egress.inject import Injection, inject_head, smuggled
 from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
 from tenantq.egress.tls import TenantCA, upstream_context
 
@@ -42,21 +43,6 @@ CHUNK = 64 * 1024
 _PRINTABLE = re.compile(r"[^\x21-\x7e]")
 # (job id, the handler's narrowing rules or None) of the job running now
 CurrentJob = Callable[[], tuple[int | None, tuple[Rule, ...] | None]]
-
-
-@dataclass(frozen=True)
-class Injection:
-    """A secret the sandbox sees only as `placeholder`: the proxy puts `value`
-    in its place (and, with `header`, sets that header) on HTTPS requests to
-    hosts matching `rule`; a request carrying the placeholder anywhere else
-    is blocked."""
-
-    name: str
-    value: str
-    placeholder: str
-    rule: Rule
-    header: str | None = None
-    template: str = "{value}"
 
 
 @dataclass
@@ -223,36 +209,10 @@ class BatchProxy:
         await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=True)
 
     def _smuggled(self, data: bytes, host: str, port: int, *, tls: bool) -> str | None:
-        """Why `data` (going to host:port) must not pass: it carries a placeholder
-        to a host its secret is not for, or in clear text."""
-        for inj in self.injections:
-            if inj.placeholder.encode() in data:
-                if not inj.rule.matches(host, port):
-                    return (f"the placeholder of secret {inj.name} may only go to {inj.rule}, "
-                            f"not {host}:{port}")
-                if not tls:
-                    return f"secret {inj.name} is injected over HTTPS only"
-        return None
+        return smuggled(self.injections, data, host, port, tls=tls)
 
     def _inject(self, head: bytes, host: str, port: int) -> bytes | str:
-        """The request head with placeholders swapped for values (and injected
-        headers set), or the reason it is refused."""
-        reason = self._smuggled(head, host, port, tls=True)
-        if reason is not None:
-            return reason
-        lines = head.decode("latin-1").split("\r\n")
-        request, headers = lines[0], [h for h in lines[1:] if h]
-        for inj in self.injections:
-            if not inj.rule.matches(host, port):
-                continue
-            headers = [h.replace(inj.placeholder, inj.value) for h in headers]
-            request = request.replace(inj.placeholder, inj.value)
-            if inj.header:
-                name = inj.header.lower()
-                headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != name]
-                headers.append(f"{inj.header}: {inj.template.format(value=inj.value)}")
-        headers = [h for h in headers if h.split(":", 1)[0].strip().lower() != "connection"]
-        return ("\r\n".join([request, *headers, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
+        return inject_head(self.injections, head, host, port)
 
     async def _connect(self, addresses: list[str], port: int, *, tls_host: str | None = None,
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tenantq.egress.inject import Injection
 from tenantq.egress.policy import EgressPolicy, Rule, parse_rules
-from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub, Injection
+from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
 from tenantq.egress.tls import CAStore, upstream_context
 from tenantq.observe import metrics
 from tenantq.registry import Registry
