@@ -161,6 +161,10 @@ def test_a_code_change_makes_a_new_template_and_the_old_one_is_collected(
         (old,) = h.executor.store.templates()
         (package / "__init__.py").write_text((package / "__init__.py").read_text().replace(
             "return 1", "return 2"))
+        spec = h.executor.spec("acme", 60)
+        # noticed on its own within the key's recheck interval
+        wait_until(lambda: h.executor.template_key(spec) != old.key, timeout=10,
+                   message="the edit to change the template key")
         assert h.result("changing.version") == 2, "the sandbox runs the edited code"
         keys = [t.key for t in h.executor.store.templates()]
         assert len(keys) == 2 and old.key in keys, keys

@@ -51,8 +51,8 @@ POLL_SECONDS = 0.01
 # How long past a handler's timeout the host waits for the guest's own timer
 # before it kills the sandbox.
 HOST_TIMEOUT_GRACE_SECONDS = 2.0
-# how long a batch child's end may take to be reported once the process is gone
-EXIT_WAIT_SECONDS = 30.0
+# a code change is noticed (a new template key) within this long
+KEY_RECHECK_SECONDS = 2.0
 
 
 class SandboxExecutor:
@@ -86,9 +86,20 @@ class SandboxExecutor:
                      if (h := registry.get(k)) is not None and h.isolation != "inline"]
         self.memory_mb = max(sandboxed, default=256) + SANDBOX_OVERHEAD_MB
         self.egress = EgressProxies(registry, driver.data_dir, egress, secrets)
+        self._keys: dict[tuple[object, ...], tuple[float, str]] = {}
 
     def template_key(self, spec: SandboxSpec) -> str:
-        return template_key(self.app_module, self.guest, spec, self.name, self.runtime)
+        """The spec's template key, re-derived at most every KEY_RECHECK_SECONDS:
+        it stats every file of the app and of tenantq (milliseconds for a
+        large app), which every batch would otherwise pay."""
+        limits = (spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb, spec.mounts)
+        now = time.monotonic()
+        cached = self._keys.get(limits)
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        key = template_key(self.app_module, self.guest, spec, self.name, self.runtime)
+        self._keys[limits] = (now + KEY_RECHECK_SECONDS, key)
+        return key
 
     def spec(self, tenant: str, ttl: float, labels: dict[str, str] | None = None) -> SandboxSpec:
         return SandboxSpec(tenant=tenant, memory_mb=self.memory_mb, cpus=self.cpus, max_pids=self.max_pids,
