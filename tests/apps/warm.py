@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 import tenantq
+from tests.apps import hostile  # noqa: F401  (box.segfault, box.spin, box.alloc: failures a warm sandbox must not survive)
 
 STATE: dict[str, Any] = {}
 WARMUPS = {"count": 0}
@@ -69,21 +70,3 @@ def inspect(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
     return {"boot": STATE.get("boot"), "extra": STATE.get("extra"), "env": os.environ.get("LEFT_BEHIND"),
             "tmp": sorted(os.listdir("/tmp")), "work": sorted(os.listdir(".")),
             "sleepers": [p for p in procs if "sleep" in p]}
-
-
-@tenantq.handler("warm.segfault", timeout=10, memory_mb=128)
-def segfault(payload: Any, ctx: tenantq.JobContext) -> None:
-    import ctypes
-
-    ctypes.string_at(0)
-
-
-@tenantq.handler("warm.spin", timeout=1, memory_mb=128)
-def spin(payload: Any, ctx: tenantq.JobContext) -> None:
-    while True:
-        pass
-
-
-@tenantq.handler("warm.alloc", timeout=10, memory_mb=64)
-def alloc(payload: Any, ctx: tenantq.JobContext) -> int:
-    return len(bytearray(512 * 1024 * 1024))

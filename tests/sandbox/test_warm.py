@@ -235,14 +235,14 @@ def test_a_warm_sandbox_is_never_shared_between_tenants(
     assert b1 != a1 and a2 == a1 and origin == "warm", h.origins
 
 
-@pytest.mark.parametrize(("kind", "reason"), [("warm.segfault", "crashed: SIGSEGV"),
-                                          ("warm.spin", "timeout after 1 s"),
-                                          ("warm.alloc", "oom: exceeded 64 MiB")])
+@pytest.mark.parametrize(("kind", "payload", "reason"), [("box.segfault", None, "crashed: SIGSEGV"),
+                                                     ("box.spin", None, "timeout after 2 s"),
+                                                     ("box.alloc", {"mb": 2048}, "oom: exceeded 256 MiB")])
 def test_a_sandbox_that_saw_a_failure_is_not_reused(
-        driver: SandboxDriver, harness: Callable[..., Harness], kind: str, reason: str) -> None:
+        driver: SandboxDriver, harness: Callable[..., Harness], kind: str, payload: Any, reason: str) -> None:
     h = harness(driver, WarmPolicy(keep_warm_seconds=60))
     h.result("warm.state")
-    failed = h.run(kind)
+    failed = h.run(kind, payload=payload)
     assert not failed[0].ok and (failed[0].error or "").startswith(reason), failed
     h.result("warm.state")
     (first, _), (second, _), (third, origin) = h.origins
