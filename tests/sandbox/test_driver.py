@@ -232,8 +232,10 @@ def test_create_rejects_a_mount_whose_source_does_not_exist(driver: SandboxDrive
 
 def test_reaper_removes_a_sandbox_past_its_deadline(driver: SandboxDriver, make_sandbox: SandboxFactory,
                                                     python: str, data_dir: Path) -> None:
-    # a dispatcher that crashed after create: nobody will call destroy()
-    orphan = make_sandbox(ttl_seconds=1)
+    # a dispatcher that crashed after create: nobody will call destroy(). The
+    # TTL leaves room for one Python start under gVisor on a loaded machine
+    # (1 s was not always enough: the run itself timed out in CI)
+    orphan = make_sandbox(ttl_seconds=3)
     assert orphan.run([python, "-c", "open('result', 'w').write('x')"], timeout=30).end.ok
     keeper = make_sandbox(ttl_seconds=300)
     assert orphan.id not in driver.reap(), "reaped before its deadline (plus grace) passed"
