@@ -105,3 +105,21 @@ def connect(payload: dict[str, Any], ctx: tenantq.JobContext) -> dict[str, str]:
 def write_work(payload: Any, ctx: tenantq.JobContext) -> list[str]:
     Path("left-behind.txt").write_text("from batch")
     return sorted(os.listdir("."))
+
+
+@tenantq.handler("box.kill_sandbox", timeout=20, memory_mb=128)
+def kill_sandbox(payload: Any, ctx: tenantq.JobContext) -> None:
+    """Ends its batch, not only its own process: kills the batch supervisor
+    where it may (bubblewrap: same uid), else exhausts the sandbox's memory
+    cgroup (gVisor then kills the whole sandbox)."""
+    import resource
+    import signal
+
+    try:
+        os.kill(os.getppid(), signal.SIGKILL)
+    except OSError:
+        pass
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    blocks = []
+    while True:
+        blocks.append(b"x" * (64 << 20))

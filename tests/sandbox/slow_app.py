@@ -15,5 +15,7 @@ SLOW_TIMEOUT = 5
 
 @tenantq.handler("slow.sleep", timeout=SLOW_TIMEOUT, memory_mb=64)
 def sleep(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
+    with open("started", "w") as fh:  # in the work dir: the test sees the job has begun
+        fh.write("1")
     time.sleep(float(payload["seconds"]))
     return {"slept": payload["seconds"], "attempt": ctx.attempt, "pid": os.getpid()}

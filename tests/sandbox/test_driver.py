@@ -1,5 +1,5 @@
-"""The SandboxDriver contract, per driver: create from a spec, files in and
-out, run with a timeout and a classified end, stdin, uid, limits, idempotent
+"""The SandboxDriver contract, per driver: create from a spec, a work dir with
+a quota, run with a timeout and a classified end, stdin, uid, limits, idempotent
 destroy, a failing create that cleans up, and the TTL reaper."""
 
 from __future__ import annotations
@@ -25,32 +25,51 @@ from tests.sandbox.conftest import SandboxFactory, cgroups_of, runsc_containers,
 REAP_GRACE_SECONDS = 5.0
 
 
-def test_create_put_get_and_run(make_sandbox: SandboxFactory, python: str, data_dir: Path,
-                                driver_name: str) -> None:
+def test_create_and_run_with_a_quota_work_dir(make_sandbox: SandboxFactory, python: str, data_dir: Path,
+                                             driver_name: str) -> None:
     sandbox = make_sandbox(tenant="acme", labels={"batch": "42"})
-    assert sandbox.work_dir.is_dir()
     assert sandbox.work_dir.parent == data_dir / "sandboxes" / driver_name / sandbox.id
+    # the work dir is a tmpfs of its own (rule H1: the host never reads what is in it)
+    assert os.path.ismount(sandbox.work_dir)
     meta = json.loads((sandbox.work_dir.parent / "sandbox.json").read_text())
     assert meta["tenant"] == "acme" and meta["labels"] == {"batch": "42"} and meta["driver"] == driver_name
 
     blob = bytes(range(256)) * 64
-    sandbox.put_file("in/data.bin", blob)
-    assert sandbox.get_file("in/data.bin") == blob
-    with pytest.raises(ValueError, match="outside"):
-        sandbox.put_file("../escape.txt", b"x")
-
     code = ("import hashlib, sys\n"
-            "data = open('in/data.bin', 'rb').read()\n"
-            "open('out.txt', 'w').write(hashlib.sha256(data).hexdigest())\n"
-            "print('o' * 6000 + 'END-OUT')\n"
-            "print('to stderr', file=sys.stderr)\n")
-    result = sandbox.run([python, "-c", code], timeout=60)
+            "data = sys.stdin.buffer.read()\n"
+            "open('in.bin', 'wb').write(data)\n"
+            "print(hashlib.sha256(data).hexdigest(), file=sys.stderr)\n"
+            "print('o' * 6000 + 'END-OUT')\n")
+    result = sandbox.run([python, "-c", code], timeout=60, stdin=blob)
     assert result.end.kind == "ok", result
     assert result.exit_code == 0
     # tails: the end of the output, at most TAIL_BYTES of it
     assert result.stdout.endswith("END-OUT\n") and len(result.stdout) == TAIL_BYTES
-    assert result.stderr == "to stderr\n"
-    assert sandbox.get_file("out.txt").decode() == hashlib.sha256(blob).hexdigest()
+    assert result.stderr == hashlib.sha256(blob).hexdigest() + "\n"
+    # the work dir lives as long as the sandbox, across runs
+    again = sandbox.run([python, "-c", "import hashlib; print(hashlib.sha256(open('in.bin', 'rb')"
+                                       ".read()).hexdigest())"], timeout=60)
+    assert again.stdout.strip() == hashlib.sha256(blob).hexdigest(), again
+
+
+def test_the_work_dir_quota_gives_enospc_and_shows_in_statvfs(make_sandbox: SandboxFactory,
+                                                              python: str) -> None:
+    sandbox = make_sandbox(work_mb=8)
+    code = ("import json, os\n"
+            "st = os.statvfs('.')\n"
+            "out = {'size': st.f_blocks * st.f_frsize}\n"
+            "try:\n"
+            "    with open('big', 'wb') as fh:\n"
+            "        for _ in range(64):\n"
+            "            fh.write(b'x' * (1 << 20)); fh.flush()\n"
+            "    out['error'] = None\n"
+            "except OSError as exc:\n"
+            "    out['error'] = exc.errno\n"
+            "print(json.dumps(out))\n")
+    result = sandbox.run([python, "-c", code], timeout=60)
+    seen = json.loads(result.stdout)
+    assert seen["size"] == 8 << 20, seen
+    assert seen["error"] == 28, seen  # ENOSPC
 
 
 def test_stdin_reaches_the_command(make_sandbox: SandboxFactory, python: str) -> None:
@@ -61,7 +80,7 @@ def test_stdin_reaches_the_command(make_sandbox: SandboxFactory, python: str) ->
     assert result.end.ok, result
     assert result.stdout == payload.decode()[::-1]
     # stdin only: nothing of it on disk in the sandbox's dir
-    for path in sandbox.work_dir.parent.rglob("*"):
+    for path in sandbox.work_dir.parent.glob("*"):
         if path.is_file():
             assert b"s3cr3t" not in path.read_bytes(), path
 

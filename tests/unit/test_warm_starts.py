@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 from tenantq.errors import InvalidInput
-from tenantq.guest.runner import Frames
+from tenantq.guest.protocol import FrameFile as Frames
+from tenantq.guest.protocol import encode as frame
 from tenantq.registry import Registry, handler
 from tenantq.sandbox.layout import GuestPython
 from tenantq.sandbox.snapshots import SnapshotStore, template_key
 from tenantq.sandbox.spec import SandboxSpec
-from tenantq.sandbox.warm import WarmPolicy, frame
+from tenantq.sandbox.warm import WarmPolicy
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -6,10 +6,11 @@ It speaks the two forms HTTP clients use through a proxy: `CONNECT host:port`
 checked against the batch's policy (its tenant's rules, narrowed by the
 running job's handler) BEFORE any name is resolved, so a disallowed name
 never reaches DNS; an allowed name is resolved here and every address it
-resolves to that is loopback, link-local, private, multicast or reserved is
-refused (no SSRF into the host, its Postgres or the cloud metadata service),
-unless the operator explicitly allowed that network. A refusal is a `403`
-whose reason names the host, which the job sees in its client's error.
+resolves to that is not globally routable unicast is refused (`guard.py`: no
+SSRF into the host, its Postgres or the cloud metadata service, however the
+address is spelled), unless the operator explicitly allowed that network. A
+refusal is a `403` whose reason names the host, which the job sees in its
+client's error.
 
 All proxies of a dispatcher share one asyncio event loop on one thread.
 """
@@ -18,19 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import os
 import re
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from tenantq.egress.guard import AddressGuard as AddressGuard  # re-exported: callers import it from here
 from tenantq.egress.inject import Injection, inject_head, smuggled
 from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
 from tenantq.egress.tls import TenantCA, upstream_context
@@ -58,25 +59,6 @@ class EgressStats:
     def record(self) -> dict[str, int]:
         return {"allowed": self.allowed, "blocked": self.blocked, "bytes_out": self.bytes_out,
                 "bytes_in": self.bytes_in}
-
-
-class AddressGuard:
-    """Which resolved addresses a sandbox may never be connected to."""
-
-    def __init__(self, allowed_networks: Iterable[str] = ()) -> None:
-        # only for tests and deliberate setups: a test server on 127.0.0.1
-        self.allowed = tuple(ipaddress.ip_network(n, strict=False) for n in allowed_networks)
-
-    def refusal(self, address: str) -> str | None:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        if any(ip in net for net in self.allowed):
-            return None
-        for flag in ("loopback", "unspecified", "link_local", "private", "multicast", "reserved"):
-            if getattr(ip, f"is_{flag}"):
-                return f"{flag.replace('_', '-')} address {ip}"
-        return None
 
 
 class BatchProxy:
@@ -280,7 +262,9 @@ def _parse_target(parts: list[str]) -> tuple[str, str, int, str] | None:
         return None
     if method == "CONNECT":
         host, sep, port_text = target.rpartition(":")
-        if not sep or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        # isascii: "²".isdigit() is true and int("²") raises (found by fuzz/proxy_head.py)
+        if not sep or not (port_text.isascii() and port_text.isdigit()) or len(port_text) > 5 \
+                or not 0 < int(port_text) < 65536:
             return None
         return method, normalise_host(host), int(port_text), ""
     try:

@@ -1,34 +1,30 @@
-"""Run one batch's jobs inside the sandbox (the forked batch child of the
-guest runner). Stdlib only.
+"""One job in its own process (forked by the batch supervisor, guest/supervisor.py).
+Stdlib only.
 
-Appends one flushed JSON line per job to WORK_DIR/results.jsonl when it
-starts and when it ends:
-
-    {"id": 7, "status": "started"}
-    {"id": 7, "status": "ok", "result": ..., "seconds": 0.01}
-    {"id": 7, "status": "error", "error": "...", "reason": "exception|timeout|oom|unknown_kind", ...}
-
-so a sandbox that dies mid-batch loses no finished result and names the job
-it died on. Each handler's own timeout is enforced here with an interval
-timer (the host enforces the batch's wall-clock budget as a backstop) and its
-memory with RLIMIT_AS (the sandbox's memory cgroup is the backstop).
+The process holds nothing of the control channel: its fds are /dev/null,
+a pipe for its output (fd 1 and 2, drained by the supervisor) and a pipe
+for its one result frame (fd 3). Under gVisor it runs as an unprivileged
+uid that differs from the supervisor's, so it cannot signal it, reopen its
+fds through /proc, or read its memory (docs/security.md, rule C1). The
+handler's timeout is an interval timer, its memory an RLIMIT_AS; the
+supervisor enforces both again from outside.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
-import time
+import sys
 import traceback
 from types import FrameType
 from typing import Any
 
+from tenantq.guest.protocol import MAX_FRAME_BYTES, MAX_JSON_DEPTH, encode, json_depth, write_all
+
 TRACEBACK_LINES = 12
-RESULTS_FILE = "results.jsonl"
-BATCH_FILE = "batch.json"
-STOP_FILE = "stop"
+RESULT_FD = 3
+WORK_DIR = "/tenantq/work"
 
 
 class JobTimeout(BaseException):
@@ -38,13 +34,6 @@ class JobTimeout(BaseException):
 
 def _on_alarm(signum: int, frame: FrameType | None) -> None:
     raise JobTimeout()
-
-
-def emit(out: Any, record: dict[str, Any]) -> None:
-    # flush, not fsync: the line only has to outlive the sandbox, and the
-    # work dir lives on the host (an fsync per line costs milliseconds)
-    out.write(json.dumps(record, default=repr) + "\n")
-    out.flush()
 
 
 def describe(exc: BaseException) -> str:
@@ -63,72 +52,99 @@ def _address_space() -> int:
         return 0
 
 
-def _limit_memory(memory_mb: int, baseline: int) -> None:
-    limit = baseline + memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+def drop_privileges(uid: int | None) -> None:
+    """Become the job's uid (gVisor: the supervisor is the sandbox's root);
+    every capability goes with the uid change."""
+    if uid is None or os.getuid() == uid:
+        return
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
 
 
-def _unlimit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+def reseed() -> None:
+    """A restored image and a fork both duplicate the parent's PRNG states:
+    give this job its own (os.urandom differs per restore and per fork)."""
+    import random
+
+    random.seed()
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None:
+        tempfile._name_sequence = None  # type: ignore[attr-defined]
 
 
-def run_jobs(work_dir: str, secrets: dict[str, str], *, sync_starts: bool = False) -> int:
-    """Run WORK_DIR/batch.json job by job; 0 when every job was reported.
-
-    `sync_starts`: fsync each job's start line before the job runs, so the
-    host knows which job is running before the job's first network request
-    reaches the egress proxy (gVisor may hold a flushed write in its own
-    cache for a while; the host applies the job's handler's egress rules).
-    """
+def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run the handler; the outcome record (without seq) the supervisor relays."""
     from tenantq.registry import REGISTRY, JobContext
 
-    with open(os.path.join(work_dir, BATCH_FILE)) as fh:
-        batch = json.load(fh)
-    stop_file = os.path.join(work_dir, STOP_FILE)
+    handler = REGISTRY.get(str(job.get("kind")))
+    if handler is None:
+        return {"ok": False, "reason": "unknown_kind",
+                "error": f"unknown kind {job.get('kind')!r}: no handler registered "
+                         f"(known: {', '.join(REGISTRY.kinds()) or 'none'})"}
+    ctx = JobContext(tenant=tenant, job_id=int(job["id"]), attempt=int(job["attempt"]), kind=handler.kind,
+                     max_attempts=int(job["max_attempts"]), env=dict(env))
     signal.signal(signal.SIGALRM, _on_alarm)
-    baseline = _address_space()
-    batch_pid = os.getpid()
-    with open(os.path.join(work_dir, RESULTS_FILE), "a") as out:
-        for job in batch["jobs"]:
-            if os.path.exists(stop_file):  # the host asked us to stop between jobs
-                break
-            emit(out, {"id": job["id"], "status": "started"})
-            if sync_starts:
-                os.fsync(out.fileno())
-            started = time.monotonic()
-            handler = REGISTRY.get(job["kind"])
-            if handler is None:
-                emit(out, {"id": job["id"], "status": "error", "reason": "unknown_kind", "seconds": 0.0,
-                           "error": f"unknown kind {job['kind']!r}: no handler registered "
-                                    f"(known: {', '.join(REGISTRY.kinds()) or 'none'})"})
-                continue
-            ctx = JobContext(tenant=batch["tenant"], job_id=job["id"], attempt=job["attempt"],
-                             kind=job["kind"], max_attempts=job["max_attempts"], env=dict(secrets))
-            record: dict[str, Any]
-            try:
-                _limit_memory(handler.memory_mb, baseline)
-                signal.setitimer(signal.ITIMER_REAL, handler.timeout)
-                try:
-                    result = handler.func(job["payload"], ctx)
-                finally:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                    _unlimit_memory()
-                json.dumps(result, allow_nan=False)  # fail here, not on the host, if unstorable
-                record = {"id": job["id"], "status": "ok", "result": result}
-            except JobTimeout:
-                record = {"id": job["id"], "status": "error", "reason": "timeout",
-                          "error": f"timeout after {handler.timeout:g} s"}
-            except MemoryError as exc:
-                _unlimit_memory()
-                detail = describe(exc).split("\n", 1)[-1]
-                record = {"id": job["id"], "status": "error", "reason": "oom",
-                          "error": f"oom: exceeded {handler.memory_mb} MiB (MemoryError)\n{detail}"}
-            except BaseException as exc:
-                record = {"id": job["id"], "status": "error", "reason": "exception", "error": describe(exc)}
-            if os.getpid() != batch_pid:
-                # a process the handler forked got here (a fork bomb's child
-                # whose fork failed): it must never report or run the next job
-                os._exit(1)
-            record["seconds"] = time.monotonic() - started
-            emit(out, record)
-    return 0
+    limit = _address_space() + handler.memory_mb * 1024 * 1024
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
+        signal.setitimer(signal.ITIMER_REAL, handler.timeout)
+        try:
+            result = handler.func(job["payload"], ctx)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        return {"ok": True, "result": result}
+    except JobTimeout:
+        return {"ok": False, "reason": "timeout", "error": f"timeout after {handler.timeout:g} s"}
+    except MemoryError as exc:
+        detail = describe(exc).split("\n", 1)[-1]
+        return {"ok": False, "reason": "oom",
+                "error": f"oom: exceeded {handler.memory_mb} MiB (MemoryError)\n{detail}"}
+    except BaseException as exc:
+        return {"ok": False, "reason": "exception", "error": describe(exc)}
+
+
+def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int | None) -> None:
+    """The job process's whole life: never returns."""
+    me = os.getpid()
+    code = 0
+    try:
+        drop_privileges(job_uid)
+        from tenantq.guest import scratch
+
+        scratch.clean()
+        reseed()
+        os.chdir(WORK_DIR)
+        outcome = run_job(tenant, job, env)
+        if os.getpid() != me:
+            # a process the handler forked got here: it must never report
+            os._exit(1)
+        try:
+            frame = encode(outcome)
+        except (TypeError, ValueError, RecursionError) as exc:
+            frame = encode({"ok": False, "reason": "unstorable",
+                            "error": f"result is not JSON-serialisable: {str(exc)[:200]}"})
+        except Exception as exc:  # FrameError: too large
+            frame = encode({"ok": False, "reason": "unstorable", "error": str(exc)[:200]})
+        if outcome.get("ok") and json_depth(outcome.get("result")) > MAX_JSON_DEPTH - 1:
+            frame = encode({"ok": False, "reason": "unstorable",
+                            "error": f"result is nested more than {MAX_JSON_DEPTH - 1} levels deep"})
+        assert len(frame) <= MAX_FRAME_BYTES + 11
+        write_all(RESULT_FD, frame)
+    except BaseException:
+        code = 70
+    finally:
+        os._exit(code)
+
+
+def load_result(data: bytes) -> dict[str, Any]:
+    """The supervisor's view of what a job process wrote on its result pipe."""
+    from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, parse_header
+
+    length = parse_header(data[:HEADER_BYTES])
+    if len(data) != HEADER_BYTES + length:
+        raise FrameError("the result frame is truncated or has trailing bytes")
+    return decode_body(data[HEADER_BYTES:])
+
+

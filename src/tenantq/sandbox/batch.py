@@ -1,15 +1,14 @@
 """Run a batch in a sandbox of its tenant and report each job as it goes.
 
 The batch gets a sandbox from `WarmStarts` (kept warm, hibernated, restored
-from the app's template, or booted cold), the host writes the batch into the
-sandbox's fresh work dir and sends the command and the tenant's secrets to
-the waiting guest runner, then tails the results file, reporting every job
-start and end at once. When the batch child is gone, whatever started and
-never ended is the job it died on: it fails with the classified reason
-(`oom: exceeded 256 MiB`, `timeout after 5 s`, `crashed: SIGSEGV`, ...).
-Jobs that never started are left for the dispatcher to release. The sandbox
-is then kept warm for the tenant's next batch or destroyed; after an OOM, a
-timeout or a crash it is always destroyed.
+from the app's template, or booted cold), then `BatchSession` hands its jobs
+to the guest runner over the control channel one at a time, reporting every
+job's start and end at once. When the sandbox dies, the job the host had
+handed out fails with the classified reason (`oom: exceeded 256 MiB`,
+`timeout after 5 s`, `crashed: SIGSEGV`, ...); jobs never handed out are
+left for the dispatcher to release. The sandbox is then kept warm for the
+tenant's next batch or destroyed; after an OOM, a timeout, a crash or a
+protocol violation it is always destroyed.
 
 Kinds whose handler is registered with isolation="inline" run in the
 dispatcher process (trusted first-party code: the shared-fleet path); the
@@ -29,10 +28,10 @@ from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.egress import EgressConfig, EgressProxies
-from tenantq.sandbox.executor import Report
+from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import GuestPython, guest_python
-from tenantq.sandbox.results import ResultTail
+from tenantq.sandbox.session import BatchSession
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
 from tenantq.sandbox.warm import GuestServer, WarmPolicy, WarmStarts
@@ -47,10 +46,6 @@ log = logging.getLogger("tenantq.sandbox")
 SANDBOX_OVERHEAD_MB = 192
 # Host-side budget beyond the sum of handler timeouts: sandbox start-up.
 START_ALLOWANCE_SECONDS = 15.0
-POLL_SECONDS = 0.01
-# How long past a handler's timeout the host waits for the guest's own timer
-# before it kills the sandbox.
-HOST_TIMEOUT_GRACE_SECONDS = 2.0
 # a code change is noticed (a new template key) within this long
 KEY_RECHECK_SECONDS = 2.0
 
@@ -59,18 +54,18 @@ class SandboxExecutor:
     def __init__(self, driver: SandboxDriver, registry: Registry, app_module: str, *,
                  policy: WarmPolicy | None = None, egress: EgressConfig | None = None,
                  secrets: SecretsProvider | None = None,
-                 tmp_mb: int = 64, max_pids: int = 512, cpus: float = 1.0) -> None:
+                 tmp_mb: int = 64, work_mb: int = 128, max_pids: int = 512, cpus: float = 1.0) -> None:
         self.driver = driver
         self.name = driver.name
         self.registry = registry
         self.app_module = app_module
         self.guest: GuestPython = guest_python(app_module)
         self.inline = InlineExecutor(registry)
-        self.tmp_mb, self.max_pids, self.cpus = tmp_mb, max_pids, cpus
+        self.tmp_mb, self.work_mb, self.max_pids, self.cpus = tmp_mb, work_mb, max_pids, cpus
         # code mounted under /tmp (an app or venv in the host's /tmp) has its
         # mount points in the sandbox's /tmp: the runner's clean-up keeps them
-        keep_tmp = sorted({Path(m.target).parts[2] for m in self.guest.mounts
-                           if Path(m.target).parts[:2] == ("/", "tmp") and len(Path(m.target).parts) > 2})
+        keep_tmp = sorted(m.target for m in self.guest.mounts
+                          if Path(m.target).parts[:2] == ("/", "tmp") and len(Path(m.target).parts) > 2)
         boot = {"app": app_module, "sys_path": list(self.guest.sys_path),
                 "site_dirs": list(self.guest.site_dirs), "keep_tmp": keep_tmp}
         self.argv = [self.guest.executable, "-I", "-S", str(_runner_path()), json.dumps(boot)]
@@ -92,7 +87,7 @@ class SandboxExecutor:
         """The spec's template key, re-derived at most every KEY_RECHECK_SECONDS:
         it stats every file of the app and of tenantq (milliseconds for a
         large app), which every batch would otherwise pay."""
-        limits = (spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb, spec.mounts)
+        limits = (spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb, spec.work_mb, spec.mounts)
         now = time.monotonic()
         cached = self._keys.get(limits)
         if cached is not None and now < cached[0]:
@@ -103,8 +98,8 @@ class SandboxExecutor:
 
     def spec(self, tenant: str, ttl: float, labels: dict[str, str] | None = None) -> SandboxSpec:
         return SandboxSpec(tenant=tenant, memory_mb=self.memory_mb, cpus=self.cpus, max_pids=self.max_pids,
-                           ttl_seconds=ttl, tmp_mb=self.tmp_mb, mounts=self.guest.mounts,
-                           labels=labels or {})
+                           ttl_seconds=ttl, tmp_mb=self.tmp_mb, work_mb=self.work_mb,
+                           mounts=self.guest.mounts, labels=labels or {})
 
     def run(self, batch: Batch, *, env: Mapping[str, str], report: Report,
             should_stop: Callable[[], bool]) -> None:
@@ -129,17 +124,6 @@ class SandboxExecutor:
         self.warm.close()
         self.egress.shutdown()
 
-    def _overrun(self, batch: Batch, tail: ResultTail) -> str | None:
-        """'after N s' when the running job is past its handler's timeout plus grace."""
-        if tail.running is None:
-            return None
-        kind = next(j.kind for j in batch.jobs if j.id == tail.running)
-        handler = self.registry.get(kind)
-        limit = handler.timeout if handler is not None else 60.0
-        if time.monotonic() - tail.running_since > limit + HOST_TIMEOUT_GRACE_SECONDS:
-            return f"after {limit:g} s"
-        return None
-
     def _isolation(self, job: ClaimedJob) -> str:
         handler = self.registry.get(job.kind)
         return handler.isolation if handler is not None else "sandbox"
@@ -158,70 +142,39 @@ class SandboxExecutor:
         reusable = False
         try:
             if server.batches:
-                server.reset_work_dir()
                 server.sandbox.extend_deadline(spec.ttl_seconds)
-            server.sandbox.put_file("batch.json", json.dumps({
-                "tenant": batch.tenant_id,
-                "jobs": [{"id": j.id, "kind": j.kind, "payload": j.payload, "attempt": j.attempt,
-                          "max_attempts": j.max_attempts} for j in batch.jobs],
-            }).encode())
-            tail = ResultTail(server.sandbox.work_dir / "results.jsonl", report, [j.id for j in batch.jobs])
-            proxy, guest_env = self.egress.open(server.sandbox, batch, tail, env)
+            session = BatchSession(server, self.registry, report, getattr(self.driver, "job_uid", None))
+            proxy, guest_env = self.egress.open(server.sandbox, batch, session.running_now, env)
             try:
-                server.send(spec.ttl_seconds, guest_env)
-                end, result = self._follow(server, batch, tail, budget, should_stop)
+                ended = session.run(batch, guest_env, spec.ttl_seconds, budget, should_stop)
             finally:
                 if proxy is not None:
                     report(self.egress.close(proxy))
-            tail.finish(end, result)
+            if ended.fatal:
+                # the app cannot even be imported in the sandbox: every job
+                # of the batch fails (and reaches dead after its attempts)
+                # instead of being released into a hot loop
+                for job in batch.jobs:
+                    report(JobStarted(job.id))
+                    report(JobEnded(job.id, ok=False, error=ended.fatal))
+            elif not ended.handed_out and not ended.end.ok:
+                # the sandbox failed before the host handed out a job: no
+                # tenant code ran, so the jobs go back without an attempt
+                stderr = ended.result.stderr[-500:] if ended.result else ""
+                log.error("sandbox failed before its first job: %s; stderr: %s", ended.end.reason(), stderr)
+                if server.origin in ("template", "hibernated") and ended.result is not None:
+                    # no job's code ran in this restored sandbox: its image is broken
+                    self._restore_failed(server, ended.result)
+            end = ended.end
+            if end.kind == "signal" and end.signal == 9 and server.sandbox.oom_killed():
+                end = End("oom", exit_code=end.exit_code,
+                          detail=f"exceeded {server.sandbox.spec.memory_mb} MiB")
             metrics.BATCH_OUTCOMES.labels(self.name, metrics.batch_reason(end.kind)).inc()
-            reusable = end.ok and not tail.tainted and tail.batch_end is not None
-            if server.origin in ("template", "hibernated") and not tail.started and result is not None:
-                # the restored sandbox died before its first job: that image is broken
-                self._restore_failed(server, result)
+            reusable = ended.clean and end.ok and not ended.tainted
         finally:
             destroying = time.monotonic()
             self.warm.release(server, reusable=reusable)
             metrics.SANDBOX_DESTROY.labels(self.name).observe(time.monotonic() - destroying)
-
-    def _follow(self, server: GuestServer, batch: Batch, tail: ResultTail, budget: float,
-                should_stop: Callable[[], bool]) -> tuple[End, ExecResult | None]:
-        """Tail the results until the guest parent reports the batch's end or
-        the sandbox is gone; stop between jobs when asked; kill on overrun."""
-        running = server.running
-        deadline = time.monotonic() + budget
-        asked_to_stop = False
-        result: ExecResult | None = None
-        while True:
-            tail.poll()
-            if tail.batch_end is not None:
-                break
-            if not asked_to_stop and should_stop():
-                # finish the running job, start no other
-                server.sandbox.put_file("stop", b"")
-                asked_to_stop = True
-            overrun = self._overrun(batch, tail)
-            if overrun is None and time.monotonic() > deadline:
-                overrun = f"after {budget:g} s (batch budget)"
-            if overrun is not None:
-                # the guest's own timer did not stop it (signals blocked, stuck
-                # in C code): the host ends the sandbox
-                result = running.stop(overrun)
-                tail.poll()
-                return result.end, result
-            result = running.wait(POLL_SECONDS)
-            if result is not None:
-                tail.poll()
-                tail.read_fatal(result.stdout)
-                break
-        guest_end = tail.end_from_guest()
-        if guest_end is None:
-            assert result is not None
-            return result.end, result
-        if guest_end.kind == "signal" and guest_end.signal == 9 and server.sandbox.oom_killed():
-            guest_end = End("oom", exit_code=guest_end.exit_code,
-                            detail=f"exceeded {server.sandbox.spec.memory_mb} MiB")
-        return guest_end, result
 
     def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:
         detail = f"{result.end.reason()}: {result.stderr.strip()[-300:]}"

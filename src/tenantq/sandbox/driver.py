@@ -1,9 +1,11 @@
 """The sandbox driver contract, and choosing a driver.
 
-A driver turns a SandboxSpec into a Sandbox: a private work directory the
-host can put files into and get files from, in which commands run with the
-spec's limits, no network, a read-only root and only the given mounts.
-A Firecracker or microsandbox driver implements the same two protocols.
+A driver turns a SandboxSpec into a Sandbox: a private, size-capped work
+directory (the host never touches what is in it: docs/security.md, rule
+H1), in which commands run with the spec's limits, no network, a read-only
+root and only the given mounts; a started command's stdin and stdout are
+its control channel. A Firecracker or microsandbox driver implements the
+same two protocols.
 """
 
 from __future__ import annotations
@@ -14,14 +16,18 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from tenantq.errors import InvalidInput
+from tenantq.sandbox.channel import Channel
 from tenantq.sandbox.spec import ExecResult, SandboxSpec
 
 GUEST_WORK_DIR = "/tenantq/work"
 
 
 class Running(Protocol):
-    """A process started in a sandbox whose stdin pipe stays open: how a
-    warm guest runner receives batch after batch."""
+    """A process started in a sandbox whose stdin and stdout pipes stay
+    open: the control channel over which a warm guest runner receives
+    batch after batch."""
+
+    channel: Channel
 
     def write(self, data: bytes) -> bool: ...
 
@@ -29,7 +35,13 @@ class Running(Protocol):
 
     def alive(self) -> bool: ...
 
-    def stdout(self) -> str: ...
+    def stderr(self) -> str:
+        """The last few KiB of its stderr (bounded)."""
+        ...
+
+    def stderr_size(self) -> int: ...
+
+    def close(self) -> None: ...
 
     def wait(self, timeout: float) -> ExecResult | None:
         """The classified end, or None while it still runs after `timeout`."""
@@ -47,10 +59,6 @@ class Sandbox(Protocol):
     # host dir bound read-only at /tenantq/egress: where a batch's egress proxy socket goes
     egress_dir: Path
 
-    def put_file(self, name: str, data: bytes) -> None: ...
-
-    def get_file(self, name: str) -> bytes: ...
-
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
             env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
         """Run a command inside; `stdin` is how secrets get in without touching disk.
@@ -63,8 +71,10 @@ class Sandbox(Protocol):
         ...
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False) -> Running:
-        """Start a command and return at once; run() is start + feed + wait."""
+              self_limiting: bool = False, supervisor: bool = False) -> Running:
+        """Start a command and return at once; run() is start + feed + wait.
+        `supervisor`: the guest runner, which holds the control channel
+        (gVisor runs it as the sandbox's root and jobs as another uid)."""
         ...
 
     def extend_deadline(self, seconds: float) -> None:
@@ -87,6 +97,8 @@ class SandboxDriver(Protocol):
     data_dir: Path
     # can it checkpoint a running sandbox and restore new ones from the image?
     snapshots: bool
+    # the uid the guest runner switches each job process to (None: keep its own)
+    job_uid: int | None
 
     def create(self, spec: SandboxSpec) -> Sandbox: ...
 
@@ -125,8 +137,8 @@ def bwrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
     try:
-        subprocess.run(["bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr", "--symlink", "usr/lib64",
-                        "/lib64", "--symlink", "usr/lib", "/lib", "/usr/bin/true"],
+        subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--ro-bind", "/usr", "/usr",
+                        "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/lib", "/lib", "/usr/bin/true"],
                        capture_output=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return False

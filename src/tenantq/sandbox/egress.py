@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import secrets as random_tokens
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +27,6 @@ from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import Sandbox
 from tenantq.sandbox.executor import EgressUsed
-from tenantq.sandbox.results import ResultTail
 from tenantq.secrets import NoSecrets, SecretsProvider
 from tenantq.store.model import Batch
 
@@ -69,7 +68,7 @@ class EgressProxies:
                 self._hub = EgressHub(guard, upstream_context(config.upstream_ca))
             return self._hub
 
-    def open(self, sandbox: Sandbox, batch: Batch, tail: ResultTail,
+    def open(self, sandbox: Sandbox, batch: Batch, running_now: Callable[[], int | None],
              env: Mapping[str, str]) -> tuple[BatchProxy | None, dict[str, str]]:
         """The batch's proxy (None when its tenant allows no egress), and the
         environment its sandbox gets: injected secrets as placeholders."""
@@ -94,7 +93,7 @@ class EgressProxies:
         tenant = batch.tenant_id
 
         def current_job() -> tuple[int | None, tuple[Rule, ...] | None]:
-            job_id = tail.running_now()
+            job_id = running_now()
             handler = self.registry.get(kinds[job_id]) if job_id in kinds else None
             return job_id, handler.egress if handler is not None else None
 

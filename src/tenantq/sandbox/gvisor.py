@@ -8,6 +8,12 @@ read-write at /tenantq/work, uid 65534, memory / pids / CPU limits in the
 sandbox's cgroup, RLIMIT_NPROC for a graceful EAGAIN before the pids
 backstop. The container's init is `timeout -s KILL <ttl>`, so the sandbox
 dies at its deadline even if the dispatcher that started it is gone.
+
+The guest runner (`supervisor=True`) is the one process that runs as the
+sandbox's root, with only CAP_SETUID, CAP_SETGID and CAP_KILL: it holds the
+control channel, and every job runs as uid 65534, which cannot signal it,
+read its memory or reopen its fds (gVisor does not apply dumpability to
+/proc/PID/fd; a second uid does: docs/security.md, rule C1).
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ from typing import Any
 
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs, owner_alive, read_meta
+from tenantq.sandbox.hostside import (
+    HostSandbox,
+    Running,
+    expired_dirs,
+    owner_alive,
+    read_meta,
+    start_process,
+    unmount_work_dir,
+)
 from tenantq.sandbox.layout import (
     GUEST_EGRESS_DIR,
     GUEST_GID,
@@ -33,6 +47,7 @@ from tenantq.sandbox.layout import (
 )
 from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, SnapshotFailed
 
+SUPERVISOR_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL"]
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -49,6 +64,8 @@ class GVisorRunning(Running):
 class GVisorDriver:
     name = "gvisor"
     snapshots = True
+    # the uid jobs run as, apart from the runner (the sandbox's root)
+    job_uid: int | None = GUEST_UID
 
     def __init__(self, data_dir: Path, *, runsc: str | None = None) -> None:
         self.data_dir = data_dir
@@ -78,9 +95,11 @@ class GVisorDriver:
         try:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
             sandbox = GVisorSandbox(self, sandbox_id, path, spec, skeleton)
+            sandbox.mount_work_dir(GUEST_UID)
             sandbox.box.create(memory_mb=None, max_pids=None, cpus=None, only_memory=True)
             return sandbox
         except BaseException:
+            unmount_work_dir(path / "work")
             shutil.rmtree(path, ignore_errors=True)
             CgroupBox(sandbox_id).remove()
             raise
@@ -110,6 +129,7 @@ class GVisorDriver:
                 removed.append(cid)
         for path in expired_dirs(self.base):
             CgroupBox(path.name).remove()
+            unmount_work_dir(path / "work")
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
         return removed
@@ -125,13 +145,12 @@ class GVisorSandbox(HostSandbox):
         super().__init__(sandbox_id, path, spec, driver.name)
         self.driver = driver
         self.skeleton = skeleton
-        self.runs = 0
         self._running: str | None = None
         # containers whose `runsc run` we killed: their state needs a delete
         self._dirty: list[str] = []
 
     def _config(
-        self, cid: str, argv: list[str], env: dict[str, str], *, self_limiting: bool
+        self, cid: str, argv: list[str], env: dict[str, str], *, self_limiting: bool, supervisor: bool = False
     ) -> dict[str, Any]:
         spec = self.spec
         ttl = max(1, int(self.remaining_ttl()))
@@ -151,14 +170,18 @@ class GVisorSandbox(HostSandbox):
         # each guest process costs the sandbox ~6 host tasks (sentry, stubs):
         # stay well under the pids backstop, whose hit panics the sentry
         nproc = max(16, (spec.max_pids - 64) // 16)
+        uid = 0 if supervisor else GUEST_UID
+        caps = SUPERVISOR_CAPS if supervisor else []
         return {
             "ociVersion": "1.0.0",
             "process": {
                 "terminal": False,
-                "user": {"uid": GUEST_UID, "gid": GUEST_GID},
+                "user": {"uid": uid, "gid": 0 if supervisor else GUEST_GID},
+                "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
                 "args": init,
                 "env": [f"{k}={v}" for k, v in {**BASE_ENV, **env}.items()],
-                "cwd": GUEST_WORK_DIR,
+                # the work dir is the job uid's (0700): the runner stays out
+                "cwd": "/" if supervisor else GUEST_WORK_DIR,
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024},
                             {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}],
                 "noNewPrivileges": True,
@@ -181,15 +204,14 @@ class GVisorSandbox(HostSandbox):
         }
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False) -> Running:
-        self.runs += 1
-        return self._launch(f"{self.id}-{self.runs}", argv, env or {}, self_limiting, "run")
+              self_limiting: bool = False, supervisor: bool = False) -> Running:
+        return self._launch(f"{self.id}-{self.runs + 1}", argv, env or {}, self_limiting, supervisor, "run")
 
     def restore(self, image: Path, argv: list[str]) -> Running:
         """Start this (new) sandbox from a checkpoint image instead of booting:
         the image's processes resume, reading this sandbox's stdin."""
-        self.runs += 1
-        return self._launch(f"{self.id}-{self.runs}", argv, {}, True, "restore", "--image-path", str(image))
+        return self._launch(f"{self.id}-{self.runs + 1}", argv, {}, True, True, "restore", "--image-path",
+                            str(image))
 
     def checkpoint(self, image: Path) -> None:
         """Save the running container to `image` (a new directory); this
@@ -207,27 +229,24 @@ class GVisorSandbox(HostSandbox):
         self._running = None
         self._dirty.append(cid)
 
-    def _launch(self, cid: str, argv: list[str], env: dict[str, str], self_limiting: bool,
+    def _launch(self, cid: str, argv: list[str], env: dict[str, str], self_limiting: bool, supervisor: bool,
                 *command: str) -> Running:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
-        config = self._config(cid, argv, env, self_limiting=self_limiting)
+        config = self._config(cid, argv, env, self_limiting=self_limiting, supervisor=supervisor)
         (self.path / "config.json").write_text(json.dumps(config))
-        out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
-        # runsc hands its stdio to the container: regular files in append
-        # mode, never pipes we would have to drain (see notes/gvisor.md)
-        with open(out_path, "ab") as out, open(err_path, "ab") as err:
-            proc = subprocess.Popen(
-                self.driver.runsc_cmd(*command[:1], *command[1:], "--bundle", str(self.path), cid),
-                stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True)
-        self._proc, self._running = proc, cid
 
         def kill() -> None:
             self._kill(cid)
             if cid not in self._dirty:
                 self._dirty.append(cid)
 
-        return GVisorRunning(self, proc, out_path, err_path, kill)
+        # runsc hands its stdio to the container: stdin and stdout are the
+        # control channel's pipes, stderr an append-mode file (notes/gvisor.md)
+        running = start_process(self, self.driver.runsc_cmd(*command, "--bundle", str(self.path), cid),
+                                None, kill, new_session=True, kind=GVisorRunning)
+        self._proc, self._running = running.proc, cid
+        return running
 
     def _live(self) -> str | None:
         """The container that still runs (`runsc run` deletes one that exits)."""

@@ -1,5 +1,14 @@
-"""What both host-side drivers share: the sandbox directory, files in and
-out of the work dir, the cgroup box, TTL bookkeeping, idempotent destroy."""
+"""What both host-side drivers share: the sandbox directory, the work dir's
+quota, the cgroup box, TTL bookkeeping, started processes and their
+channel, idempotent destroy.
+
+The host never opens, reads, writes, chowns or stats anything inside the
+work dir (docs/security.md, rule H1): it is a tmpfs of its own, mounted
+with its size (the quota: the guest gets ENOSPC and sees it in statvfs),
+owner and mode by options, and unmounted, contents and all, on destroy.
+What the guest says reaches the host only over the runner's stdout pipe;
+its stderr goes to a host file that only the runner's own processes write,
+read back only as a bounded tail."""
 
 from __future__ import annotations
 
@@ -14,9 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tenantq.sandbox.cgroups import CgroupBox
-from tenantq.sandbox.spec import End, ExecResult, SandboxSpec, classify_exit, tail
+from tenantq.sandbox.channel import Channel
+from tenantq.sandbox.spec import TAIL_BYTES, End, ExecResult, SandboxSpec, classify_exit
 
 META_FILE = "sandbox.json"
+# the runner's stderr file: past this the sandbox is killed (only tenantq's
+# own guest code writes there, so a flood means something is very wrong)
+MAX_STDERR_BYTES = 8 << 20
 
 
 class HostSandbox:
@@ -32,6 +45,8 @@ class HostSandbox:
         self.deadline = time.time() + spec.ttl_seconds
         self.box = CgroupBox(sandbox_id)
         self.destroyed = False
+        self.work_mounted = False
+        self.runs = 0
         self._proc: subprocess.Popen[bytes] | None = None
         (path / META_FILE).write_text(json.dumps({
             "id": sandbox_id, "driver": driver_name, "tenant": spec.tenant, "deadline": self.deadline,
@@ -45,23 +60,6 @@ class HostSandbox:
     def remaining_ttl(self) -> float:
         return max(0.0, self.deadline - time.time())
 
-    def _safe_name(self, name: str) -> Path:
-        target = (self.work_dir / name).resolve()
-        if not str(target).startswith(str(self.work_dir.resolve()) + os.sep):
-            raise ValueError(f"{name!r} is outside the sandbox's work dir")
-        return target
-
-    def put_file(self, name: str, data: bytes) -> None:
-        target = self._safe_name(name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        with contextlib.suppress(PermissionError):
-            st = self.work_dir.stat()
-            os.chown(target, st.st_uid, st.st_gid)
-
-    def get_file(self, name: str) -> bytes:
-        return self._safe_name(name).read_bytes()
-
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
               self_limiting: bool = False) -> Running:
         raise NotImplementedError
@@ -71,11 +69,19 @@ class HostSandbox:
         """start(), feed stdin and close it, wait up to the budget (killing on
         overrun) and classify the end."""
         running = self.start(argv, env=env, self_limiting=self_limiting)
-        running.write(stdin)
-        running.close_stdin()
-        budget = min(timeout, self.remaining_ttl())
-        result = running.wait(budget)
-        return result if result is not None else running.stop(f"after {budget:g} s")
+        try:
+            running.write(stdin)
+            running.close_stdin()
+            budget = min(timeout, self.remaining_ttl())
+            deadline = time.monotonic() + budget
+            while time.monotonic() < deadline:
+                running.drain_stdout()  # bounded: a tail is kept
+                result = running.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                if result is not None:
+                    return result
+            return running.stop(f"after {budget:g} s")
+        finally:
+            running.close()
 
     def extend_deadline(self, seconds: float) -> None:
         """A kept-warm sandbox lives on: move the deadline the reaper reads."""
@@ -84,46 +90,83 @@ class HostSandbox:
         meta["deadline"] = self.deadline
         (self.path / META_FILE).write_text(json.dumps(meta))
 
+    def mount_work_dir(self, owner: int) -> None:
+        """The work dir as a tmpfs of its own: the quota is its size."""
+        options = f"size={self.spec.work_mb}m,mode=0700,uid={owner},gid={owner},nosuid,nodev"
+        command = ["mount", "-t", "tmpfs", "-o", options, f"tenantq-{self.id}", str(self.work_dir)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise OSError(f"cannot mount the sandbox work dir (tmpfs, needs root): {done.stderr.strip()}")
+        self.work_mounted = True
+
     def _remove_host_state(self) -> None:
         if self._proc is not None and self._proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
                 self._proc.stdin.close()
         self.box.remove()
+        unmount_work_dir(self.work_dir)
         shutil.rmtree(self.path, ignore_errors=True)
 
 
 class Running:
-    """A process started in a sandbox, with its stdin pipe still open (how
-    a warm guest runner gets its next batch)."""
+    """A process started in a sandbox: its stdin and stdout pipes are the
+    control channel (a warm guest runner gets batch after batch on them)."""
 
-    def __init__(self, sandbox: HostSandbox, proc: subprocess.Popen[bytes], out_path: Path, err_path: Path,
+    def __init__(self, sandbox: HostSandbox, proc: subprocess.Popen[bytes], err_path: Path,
                  kill: Callable[[], None]) -> None:
         self.sandbox = sandbox
         self.proc = proc
-        self.out_path = out_path
         self.err_path = err_path
+        # the host's own fd of the stderr file: tails are read from it, never
+        # by reopening a path
+        self._err_fd = os.open(err_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._kill = kill
+        assert proc.stdin is not None and proc.stdout is not None
+        self.channel = Channel(proc.stdin.fileno(), proc.stdout.fileno(), self.alive)
+        self._out_tail = b""
 
     def write(self, data: bytes) -> bool:
         """False when the process no longer reads its stdin (it is gone)."""
         assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write(data)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(self.proc.stdin.fileno(), view):]
+                except BlockingIOError:
+                    select.select([], [self.proc.stdin.fileno()], [], 0.1)
+                    if not self.alive():
+                        return False
+        except (BrokenPipeError, ValueError, OSError):
             return False
         return True
 
     def close_stdin(self) -> None:
         if self.proc.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):
+            with contextlib.suppress(BrokenPipeError, OSError):
                 self.proc.stdin.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stdout(self) -> str:
-        return tail(self.out_path.read_bytes()) if self.out_path.exists() else ""
+    def stderr_size(self) -> int:
+        return os.fstat(self._err_fd).st_size
+
+    def stderr(self) -> str:
+        """The last TAIL_BYTES of stderr, read from the end (bounded)."""
+        size = self.stderr_size()
+        data = os.pread(self._err_fd, TAIL_BYTES, max(0, size - TAIL_BYTES))
+        return data.decode("utf-8", errors="replace")
+
+    def drain_stdout(self) -> None:
+        """Read what the process wrote on stdout, keeping only a tail (for
+        one-shot commands, whose stdout is not a channel)."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        with contextlib.suppress(BlockingIOError, OSError):
+            while chunk := os.read(fd, 1 << 16):
+                self._out_tail = (self._out_tail + chunk)[-TAIL_BYTES:]
 
     def wait(self, timeout: float) -> ExecResult | None:
         """The classified end, or None if it still runs after `timeout`."""
@@ -138,10 +181,38 @@ class Running:
 
     def _result(self, returncode: int, end: End) -> ExecResult:
         self.close_stdin()
+        self.drain_stdout()
         if end.kind == "signal" and end.signal == 9 and self.sandbox.oom_killed():
             end = End("oom", exit_code=returncode, detail=f"exceeded {self.sandbox.spec.memory_mb} MiB")
-        return ExecResult(exit_code=returncode, stdout=tail(self.out_path.read_bytes()),
-                          stderr=tail(self.err_path.read_bytes()), end=end)
+        return ExecResult(exit_code=returncode, stdout=self._out_tail.decode("utf-8", errors="replace"),
+                          stderr=self.stderr(), end=end)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._err_fd)
+        if self.proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdout.close()
+
+
+def start_process(sandbox: HostSandbox, command: list[str], env: dict[str, str] | None,
+                  kill: Callable[[], None], *, new_session: bool = False,
+                  kind: type[Running] | None = None, pass_fds: tuple[int, ...] = ()) -> Running:
+    """Popen with the channel pipes and an append-mode stderr file in the
+    sandbox's host-only dir (runsc needs a file it can hand over, not a pipe
+    nobody drains)."""
+    sandbox.runs += 1
+    err_path = sandbox.path / f"run{sandbox.runs}.err"
+    with open(err_path, "ab") as err:
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                env=env, start_new_session=new_session, pass_fds=pass_fds)
+    return (kind or Running)(sandbox, proc, err_path, kill)
+
+
+def unmount_work_dir(work_dir: Path) -> None:
+    """Detach the work dir's tmpfs (its contents go with it) if mounted."""
+    if os.path.ismount(work_dir):
+        subprocess.run(["umount", "-l", str(work_dir)], capture_output=True, timeout=30)
 
 
 def read_meta(path: Path) -> dict[str, object] | None:

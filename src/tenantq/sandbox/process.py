@@ -10,19 +10,28 @@ The guest runner exits when its stdin pipe from the dispatcher reaches EOF
 -s KILL <ttl>`; the reaper kills whatever is left in the sandbox's cgroup past
 its deadline. (Not `--die-with-parent`: that follows the *thread* that
 started bwrap, and a kept-warm sandbox outlives the worker slot that made it.)
+
+What it adds for a hostile job (docs/security.md, rule P2): a seccomp filter
+(sandbox/seccomp.py: no ptrace or process_vm_*, no namespaces or mounts),
+`--disable-userns` (no nested user namespace, even if the filter had a
+gap), and `--as-pid-1` so the guest runner is the sandbox's init: no bwrap
+process inside holds the control channel's pipes. Jobs share the runner's
+uid here; the runner and supervisor are non-dumpable, which on Linux keeps
+a same-uid process from ptracing them or reopening their fds via /proc.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
-from tenantq.sandbox import cgroups
+from tenantq.sandbox import cgroups, seccomp
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs
+from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs, start_process, unmount_work_dir
 from tenantq.sandbox.layout import (
     GUEST_EGRESS_DIR,
     GUEST_GID,
@@ -46,6 +55,8 @@ class ProcessDriver:
     name = "process"
     # bubblewrap has no checkpoint/restore: keep-warm works, templates do not
     snapshots = False
+    # jobs run as the runner's uid (one uid is mapped into the namespace)
+    job_uid: int | None = None
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
@@ -58,6 +69,8 @@ class ProcessDriver:
         try:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
             sandbox = ProcessSandbox(self, sandbox_id, path, spec, skeleton)
+            # the guest's uid 65534 is the host's root mapped into its namespace
+            sandbox.mount_work_dir(0)
             if cgroups.available():
                 # Unlike gVisor there is no sentry or gofer to budget for, and
                 # RLIMIT_NPROC cannot help (the guest is root on the host,
@@ -68,6 +81,7 @@ class ProcessDriver:
             return sandbox
         except BaseException:
             CgroupBox(sandbox_id).remove()
+            unmount_work_dir(path / "work")
             shutil.rmtree(path, ignore_errors=True)
             raise
 
@@ -75,6 +89,7 @@ class ProcessDriver:
         removed: list[str] = []
         for path in expired_dirs(self.base):
             CgroupBox(path.name).remove()  # kills whatever still runs in it
+            unmount_work_dir(path / "work")
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
         return removed
@@ -86,12 +101,13 @@ class ProcessSandbox(HostSandbox):
         super().__init__(sandbox_id, path, spec, driver.name)
         self.driver = driver
         self.skeleton = skeleton
-        self.runs = 0
 
-    def _argv(self, argv: list[str], env: dict[str, str], *, self_limiting: bool) -> list[str]:
+    def _argv(self, argv: list[str], env: dict[str, str], *, self_limiting: bool,
+              seccomp_fd: int) -> list[str]:
         spec = self.spec
         ttl = max(1, int(self.remaining_ttl()))
-        args = [self.driver.bwrap, "--new-session", "--unshare-all",
+        args = [self.driver.bwrap, "--new-session", "--unshare-all", "--unshare-user", "--disable-userns",
+                "--as-pid-1", "--seccomp", str(seccomp_fd),
                 "--uid", str(GUEST_UID), "--gid", str(GUEST_GID), "--hostname", "sandbox",
                 "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
@@ -108,24 +124,28 @@ class ProcessSandbox(HostSandbox):
         return [*args, "--", *init]
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> Running:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
-        self.runs += 1
-        out_path, err_path = self.path / f"run{self.runs}.out", self.path / f"run{self.runs}.err"
         procs = ":".join(str(p) for p in self.box.procs_files()) if cgroups.available() else ""
-        sandboxed = self._argv(argv, env or {}, self_limiting=self_limiting)
-        command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *sandboxed] if procs else sandboxed
-        with open(out_path, "ab") as out, open(err_path, "ab") as err:
-            proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=err,
-                                    env={"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"})
-        self._proc = proc
+        # the filter goes in as an inherited fd: the shell that enters the
+        # cgroups passes it on to bwrap
+        filter_fd = seccomp.program_fd()
+        try:
+            sandboxed = self._argv(argv, env or {}, self_limiting=self_limiting, seccomp_fd=filter_fd)
+            command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *sandboxed] if procs else sandboxed
+            os.set_inheritable(filter_fd, True)
+            running = start_process(self, command, {"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"},
+                                    lambda: self._kill_all(), pass_fds=(filter_fd,))
+        finally:
+            os.close(filter_fd)
+        self._proc = running.proc
+        return running
 
-        def kill() -> None:
-            self.box.kill_all()
-            proc.kill()
-
-        return Running(self, proc, out_path, err_path, kill)
+    def _kill_all(self) -> None:
+        self.box.kill_all()
+        if self._proc is not None:
+            self._proc.kill()
 
     def kill(self) -> None:
         self.box.kill_all()

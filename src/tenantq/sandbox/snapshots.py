@@ -118,7 +118,7 @@ def template_key(app: str, guest: GuestPython, spec: SandboxSpec, driver: str, r
     parts = {
         "app": app, "driver": driver, "runtime": runtime, "python": sys.version,
         "executable": guest.executable,
-        "limits": [spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb],
+        "limits": [spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb, spec.work_mb],
         "mounts": sorted(f"{m.source}:{m.target}" for m in spec.mounts),
         "code": {path: _DIGESTS.tree(path) for path in guest.code_paths},
         # installed distributions: their dist-info names carry the versions

@@ -32,6 +32,8 @@ class SandboxSpec:
     max_pids: int = 512
     ttl_seconds: float = 300.0
     tmp_mb: int = 64
+    # the work dir's quota (a tmpfs of its own; ENOSPC past it)
+    work_mb: int = 128
     network: NetworkPolicy = "none"
     mounts: tuple[Mount, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)

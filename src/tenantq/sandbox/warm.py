@@ -19,7 +19,6 @@ destroy) after `--hibernate-after`, so an idle tenant costs disk, not memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
@@ -30,7 +29,10 @@ from pathlib import Path
 from typing import Literal
 
 from tenantq.errors import InvalidInput
+from tenantq.guest.protocol import FrameError
 from tenantq.observe import metrics
+from tenantq.sandbox import records
+from tenantq.sandbox.channel import ChannelTimeout, GuestGone
 from tenantq.sandbox.driver import Running, Sandbox, SandboxDriver, SnapshotDriver, SnapshotSandbox
 from tenantq.sandbox.snapshots import SnapshotStore, Template
 from tenantq.sandbox.spec import SandboxSpec, SnapshotFailed
@@ -39,7 +41,6 @@ log = logging.getLogger("tenantq.sandbox")
 
 Origin = Literal["cold", "template", "hibernated", "warm"]
 READY_TIMEOUT_SECONDS = 120.0
-READY_POLL_SECONDS = 0.01
 GRACEFUL_EXIT_SECONDS = 2.0
 
 
@@ -62,12 +63,6 @@ class WarmPolicy:
                                f"({self.hibernate_after:g} vs {self.keep_warm_seconds:g})")
 
 
-def frame(value: object) -> bytes:
-    """One message to the guest runner: a fixed-size length line, then JSON."""
-    body = json.dumps(value).encode()
-    return b"%010d\n" % len(body) + body
-
-
 @dataclass
 class GuestServer:
     """A sandbox whose guest runner waits for batches on its stdin."""
@@ -82,18 +77,9 @@ class GuestServer:
     consumed_image: Path | None = None
     batches: int = 0
     idle_since: float = field(default_factory=time.monotonic)
-
-    def send(self, ttl: float, secrets: dict[str, str]) -> bool:
-        """The batch command, then the secrets (only the batch child reads them)."""
-        return self.running.write(frame({"ttl": ttl}) + frame(secrets))
-
-    def reset_work_dir(self) -> None:
-        """Batch k+1 sees nothing of batch k's work dir."""
-        for path in self.sandbox.work_dir.iterdir():
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
+    # a cold-booted runner says ready (or fatal) first; a restored one
+    # resumes inside its read of the next command
+    needs_ready: bool = False
 
     def destroy(self) -> None:
         if self.running.alive():
@@ -101,6 +87,7 @@ class GuestServer:
             self.running.close_stdin()
             self.running.wait(GRACEFUL_EXIT_SECONDS)
         self.sandbox.destroy()
+        self.running.close()
         if self.consumed_image is not None:
             shutil.rmtree(self.consumed_image, ignore_errors=True)
             self.consumed_image = None
@@ -154,11 +141,11 @@ class WarmStarts:
                 return self._count(self._restore(spec, template.image, "template", key))
         sandbox = self.driver.create(spec)
         try:
-            running = sandbox.start(self.argv, self_limiting=True)
+            running = sandbox.start(self.argv, self_limiting=True, supervisor=True)
         except BaseException:
             sandbox.destroy()
             raise
-        return self._count(GuestServer(sandbox, running, "cold", key, spec.tenant))
+        return self._count(GuestServer(sandbox, running, "cold", key, spec.tenant, needs_ready=True))
 
     def _count(self, server: GuestServer) -> GuestServer:
         metrics.SANDBOX_STARTS.labels(self.driver.name, server.origin).inc()
@@ -185,20 +172,22 @@ class WarmStarts:
         """Boot the guest runner, wait until it is warm and idle, checkpoint it."""
         started = time.monotonic()
         sandbox = self.driver.create(replace(spec, tenant="template", labels={"template": key}))
+        running: Running | None = None
         try:
-            running = sandbox.start(self.argv, self_limiting=True)
-            deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-            while '"status": "ready"' not in running.stdout():
-                result = running.wait(READY_POLL_SECONDS)
-                if result is not None:
-                    raise SnapshotFailed(f"the guest runner exited while warming up ({result.end.reason()}): "
-                                         f"{(result.stdout or result.stderr).strip()[-500:]}")
-                if time.monotonic() > deadline:
-                    raise SnapshotFailed(f"the guest runner was not ready in {READY_TIMEOUT_SECONDS:g} s")
+            running = sandbox.start(self.argv, self_limiting=True, supervisor=True)
+            try:
+                fatal = records.boot(running.channel.receive(time.monotonic() + READY_TIMEOUT_SECONDS))
+            except (GuestGone, ChannelTimeout, FrameError, records.ProtocolViolation) as exc:
+                raise SnapshotFailed(f"the guest runner was not ready ({exc}): "
+                                     f"{running.stderr().strip()[-500:]}") from None
+            if fatal is not None:
+                raise SnapshotFailed(f"the guest runner could not boot: {fatal[-500:]}")
             assert isinstance(sandbox, SnapshotSandbox)
             sandbox.checkpoint(image)
         finally:
             sandbox.destroy()
+            if running is not None:
+                running.close()
         log.info("built template %s for %s in %.2f s", key, self.app, time.monotonic() - started)
 
     def disable_snapshots(self, reason: str) -> None:

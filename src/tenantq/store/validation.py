@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from tenantq.errors import InvalidInput
@@ -17,6 +18,34 @@ MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_KEY_LENGTH = 255
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_DELAY_SECONDS = 366 * 24 * 3600
+# Nesting levels of arrays/objects a payload may have ([] is 1, [[]] is 2).
+# Handlers and the guest's JSON code recurse; this keeps them far from
+# Python's recursion limit.
+MAX_PAYLOAD_DEPTH = 64
+SHOWN_CHARS = 80  # how much of a rejected value an error message repeats
+# `\u0000` as json.dumps escapes a NUL: preceded by an even number of
+# backslashes (an odd run would make it the text "\\u0000", which is fine)
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+_STRING_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _shown(value: object) -> str:
+    """repr() of a rejected value, cut short: a message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _utf8(text: str, what: str) -> bytes:
+    """`text` as UTF-8; a lone surrogate (which Python strings may hold and
+    UTF-8 cannot) is bad input, named as \\uXXXX."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        surrogate = f"\\u{ord(exc.object[exc.start]):04x}"
+        raise InvalidInput(
+            f"{what} contains a lone surrogate ({surrogate}), which is not valid Unicode"
+        ) from None
 
 
 def tenant_id(value: object) -> str:
@@ -24,18 +53,19 @@ def tenant_id(value: object) -> str:
         raise InvalidInput("tenant id must be a non-empty string")
     if len(value) > 128:
         raise InvalidInput(f"tenant id is {len(value)} characters; the limit is 128")
-    if not TENANT_ID.match(value):
+    # fullmatch: `$` alone also matches before a trailing newline
+    if not TENANT_ID.fullmatch(value):
         raise InvalidInput(
-            f"tenant id {value!r} is invalid: use letters, digits and . _ : @ - "
+            f"tenant id {_shown(value)} is invalid: use letters, digits and . _ : @ - "
             "(starting with a letter or digit)"
         )
     return value
 
 
 def kind(value: object) -> str:
-    if not isinstance(value, str) or not KIND.match(value):
+    if not isinstance(value, str) or not KIND.fullmatch(value):
         raise InvalidInput(
-            f"kind {value!r} is invalid: 1-200 characters of letters, digits and _ . : - "
+            f"kind {_shown(value)} is invalid: 1-200 characters of letters, digits and _ . : - "
             "(starting with a letter or _)"
         )
     return value
@@ -45,31 +75,95 @@ def priority(value: object) -> Priority:
     for known in PRIORITIES:
         if value == known:
             return known
-    raise InvalidInput(f"unknown priority {value!r}: use one of {', '.join(PRIORITIES)}")
+    raise InvalidInput(f"unknown priority {_shown(value)}: use one of {', '.join(PRIORITIES)}")
 
 
 def payload_json(value: Any) -> str:
-    """Serialise a payload, enforcing JSON-ness and the size limit.
+    """Serialise a payload, enforcing JSON-ness, the depth limit, what
+    Postgres can store, and the size limit.
 
     The limit is measured the way Postgres renders jsonb as text (", " and
     ": " separators, UTF-8), which is what the payload_size CHECK measures.
     """
+    depth = nesting_depth(value)  # first: json.dumps itself recurses
+    if depth > MAX_PAYLOAD_DEPTH:
+        raise _too_deep(depth)
     try:
         # serialised once, in Postgres' own rendering, and sent as is
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"payload is not JSON-serialisable: {exc}") from None
-    size = len(text.encode())
+    size = len(_utf8(text, "payload"))
+    # json.dumps writes a NUL (in any value or key) as the escape \\u0000,
+    # which jsonb cannot store
+    if "\\u0000" in text and _NUL_ESCAPE.search(text):
+        raise InvalidInput("payload contains a NUL character (\\u0000), which Postgres cannot store")
     if size > MAX_PAYLOAD_BYTES:
         raise InvalidInput(f"payload is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES}")
     return text
+
+
+def _too_deep(depth: int) -> InvalidInput:
+    return InvalidInput(f"payload is nested {depth} levels deep; the limit is {MAX_PAYLOAD_DEPTH}")
+
+
+def _children(container: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> Iterator[Any]:
+    return iter(container.values() if isinstance(container, dict) else container)
+
+
+def nesting_depth(value: Any) -> int:
+    """Levels of arrays/objects (what json.dumps treats as such) in `value`:
+    0 for a scalar, 1 for [] or {}. Walks an explicit stack, never recursing,
+    so any depth gets an answer; each container is measured once, so shared
+    sub-objects cost nothing extra. A container inside itself is rejected."""
+    if not isinstance(value, dict | list | tuple):
+        return 0
+    known: dict[int, int] = {}  # id -> depth of a container measured already
+    # one frame per container on the current path: [container, its children, deepest child]
+    path: list[list[Any]] = [[value, _children(value), 0]]
+    on_path = {id(value)}
+    while True:
+        frame = path[-1]
+        for child in frame[1]:
+            if not isinstance(child, dict | list | tuple):
+                continue
+            if id(child) in known:
+                frame[2] = max(frame[2], known[id(child)])
+            elif id(child) in on_path:
+                raise InvalidInput("payload is not JSON-serialisable: it contains itself")
+            else:
+                path.append([child, _children(child), 0])
+                on_path.add(id(child))
+                break
+        else:
+            path.pop()
+            on_path.discard(id(frame[0]))
+            depth: int = frame[2] + 1
+            known[id(frame[0])] = depth
+            if path:
+                path[-1][2] = max(path[-1][2], depth)
+            else:
+                return depth
+
+
+def text_depth(text: str) -> int:
+    """Deepest bracket nesting of JSON text, outside string literals (for
+    text too deep for json.loads to parse at all)."""
+    depth = deepest = 0
+    for bracket in _BRACKET.finditer(_STRING_LITERAL.sub("", text)):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def parse_payload(text: str) -> Any:
     """Parse a payload given as JSON text (the CLI's --payload)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError:
+        # json.loads recurses per level: far too deep text never parses
+        raise _too_deep(text_depth(text)) from None
+    except ValueError as exc:  # JSONDecodeError, and integers over Python's digit limit
         raise InvalidInput(f"payload is not valid JSON: {exc}") from None
 
 
@@ -95,6 +189,9 @@ def idempotency_key(value: object) -> str | None:
         return None
     if not isinstance(value, str) or not 1 <= len(value) <= MAX_KEY_LENGTH:
         raise InvalidInput(f"idempotency key must be 1-{MAX_KEY_LENGTH} characters")
+    if "\x00" in value:
+        raise InvalidInput("idempotency key contains a NUL character (\\u0000), which Postgres cannot store")
+    _utf8(value, "idempotency key")
     return value
 
 
