@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import chaos, egress, fairness, sandbox, scaling, throughput, warm
+from bench import boundary, chaos, egress, fairness, sandbox, scaling, throughput, warm
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "chaos": chaos.run,
     "warm": warm.run,
     "egress": egress.run,
+    "boundary": boundary.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
@@ -24,6 +25,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},
     "egress": {"n": 20, "setups": 5},
     "warm": {"n": 2, "jobs_per_size": {1: 4, 10: 20}},
+    "boundary": {"drivers": ("process",)},
     "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
 }
 

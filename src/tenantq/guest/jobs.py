@@ -12,6 +12,7 @@ supervisor enforces both again from outside.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import signal
@@ -20,7 +21,7 @@ import traceback
 from types import FrameType
 from typing import Any
 
-from tenantq.guest.protocol import MAX_FRAME_BYTES, MAX_JSON_DEPTH, encode, json_depth, write_all
+from tenantq.guest.protocol import MAX_JSON_DEPTH, MAX_RESULT_BYTES, encode, json_depth, write_all
 
 TRACEBACK_LINES = 12
 RESULT_FD = 3
@@ -120,22 +121,31 @@ def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int
         if os.getpid() != me:
             # a process the handler forked got here: it must never report
             os._exit(1)
-        try:
-            frame = encode(outcome)
-        except (TypeError, ValueError, RecursionError) as exc:
-            frame = encode({"ok": False, "reason": "unstorable",
-                            "error": f"result is not JSON-serialisable: {str(exc)[:200]}"})
-        except Exception as exc:  # FrameError: too large
-            frame = encode({"ok": False, "reason": "unstorable", "error": str(exc)[:200]})
-        if outcome.get("ok") and json_depth(outcome.get("result")) > MAX_JSON_DEPTH - 1:
-            frame = encode({"ok": False, "reason": "unstorable",
-                            "error": f"result is nested more than {MAX_JSON_DEPTH - 1} levels deep"})
-        assert len(frame) <= MAX_FRAME_BYTES + 11
-        write_all(RESULT_FD, frame)
+        write_all(RESULT_FD, encode(_storable(outcome)))
     except BaseException:
         code = 70
     finally:
         os._exit(code)
+
+
+def _storable(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The outcome, or a failure saying why its result cannot be stored:
+    fail here, in the tenant's sandbox, not on the host."""
+    if not outcome.get("ok"):
+        return outcome
+    result = outcome.get("result")
+    try:
+        size = len(json.dumps(result, allow_nan=False).encode())
+    except (TypeError, ValueError, RecursionError) as exc:
+        problem = f"result is not JSON-serialisable: {str(exc)[:200]}"
+    else:
+        if size > MAX_RESULT_BYTES:
+            problem = f"result is {size} bytes of JSON; the limit is {MAX_RESULT_BYTES}"
+        elif json_depth(result) > MAX_JSON_DEPTH - 1:
+            problem = f"result is nested more than {MAX_JSON_DEPTH - 1} levels deep"
+        else:
+            return outcome
+    return {"ok": False, "reason": "unstorable", "error": problem}
 
 
 def load_result(data: bytes) -> dict[str, Any]:

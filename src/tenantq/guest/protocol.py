@@ -31,6 +31,8 @@ import os
 from typing import Any
 
 HEADER_BYTES = 11  # b"%010d\n"
+# the store's limit on a job's result (dispatch/outcome.py has the same)
+MAX_RESULT_BYTES = 1 << 20
 # the largest frame either side sends: a job's result (1 MiB of JSON, the
 # store's limit) or its payload (256 KiB), plus the envelope
 MAX_FRAME_BYTES = (1 << 20) + (64 << 10)

@@ -137,8 +137,9 @@ def bwrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
     try:
-        subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--ro-bind", "/usr", "/usr",
-                        "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/lib", "/lib", "/usr/bin/true"],
+        subprocess.run(["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--ro-bind", "/usr",
+                        "/usr", "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/lib", "/lib",
+                        "/usr/bin/true"],
                        capture_output=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return False
