@@ -87,6 +87,6 @@ def run(drivers: tuple[str, ...] = ("gvisor", "process")) -> dict[str, Any]:
         table.add_row(r["driver"], r["scenario"], f"{r['peak_rss_mb']:.0f}", f"{r['over_idle_mb']:+.0f}",
                       f"{r['honest_done']}/10", "; ".join(r["hostile"]) or "-", f"{r['seconds']:.1f}")
     console.print(table)
-    path = save("boundary", {"machine": info, "rows": rows})
-    console.print(f"saved {path}")
-    return {"rows": rows}
+    payload = {"benchmark": "boundary", "machine": info, "rows": rows}
+    console.print(f"saved {save('boundary', payload)}")
+    return payload

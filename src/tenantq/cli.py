@@ -57,14 +57,15 @@ def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: i
             delay: float, key: str | None) -> None:
     """Enqueue one job and print its id. --payload @FILE reads the JSON from
     a file, --payload - from standard input."""
-    if payload == "-":
-        payload = sys.stdin.read()
-    elif payload.startswith("@"):
-        try:
-            with open(payload[1:]) as fh:
+    try:
+        if payload == "-":
+            payload = sys.stdin.read()
+        elif payload.startswith("@"):
+            with open(payload[1:], encoding="utf-8") as fh:
                 payload = fh.read()
-        except OSError as exc:
-            raise InvalidInput(f"cannot read payload file: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # JSON text is UTF-8
+        source = "standard input" if payload == "-" else f"file {payload[1:]}"
+        raise InvalidInput(f"cannot read the payload from {source}: {exc}") from None
     parsed = validation.parse_payload(payload)
     with _queue() as q:
         click.echo(q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
@@ -300,7 +301,8 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     stats = w.run()
     click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
     if w.failed:
-        raise TenantqError("the worker could not claim jobs (database errors); see the log above")
+        # the worker stopped itself because it could not carry on: non-zero exit, one line saying why
+        raise TenantqError(f"worker stopped: {w.failure or 'it could not carry on; see the log above'}")
 
 
 def _progress(w: Any) -> str:

@@ -3,6 +3,7 @@ All run sandboxed (the default isolation)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -115,10 +116,8 @@ def kill_sandbox(payload: Any, ctx: tenantq.JobContext) -> None:
     import resource
     import signal
 
-    try:
+    with contextlib.suppress(OSError):
         os.kill(os.getppid(), signal.SIGKILL)
-    except OSError:
-        pass
     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     blocks = []
     while True:

@@ -3,6 +3,7 @@ the picker uses, driven over many picks."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -174,3 +175,99 @@ def test_reserved_slots() -> None:
     assert is_lent(0, "bulk", reserved=3)
     assert not is_lent(0, "interactive", reserved=3)
     assert not is_lent(3, "bulk", reserved=3)  # a shared slot is never recalled
+
+
+# -- hostile numbers: whatever is stored or reported, plan/charge never raise --
+
+NAN, INF = float("nan"), float("inf")
+HOSTILE = [NAN, INF, -INF, 1e308, -1e308, 5e-324]
+
+
+def _finite_visits(visits: list[drr.Visit]) -> bool:
+    return all(math.isfinite(v.deficit) and abs(v.deficit) <= drr.MAX_CREDIT and v.max_jobs >= 1
+               for v in visits)
+
+
+@pytest.mark.parametrize("mode", [Mode.JOBS, Mode.RUNTIME])
+@pytest.mark.parametrize("deficit", HOSTILE)
+def test_plan_reads_a_hostile_deficit_as_a_safe_one(mode: Mode, deficit: float) -> None:
+    for turn_open in (False, True):
+        visits = drr.plan([Candidate("a", 1, deficit), Candidate("b", 3, 0.0)], cursor="a",
+                          turn_open=turn_open, mode=mode, quantum=1.0, batch_size=10)
+        assert [v.tenant_id for v in visits] == ["a", "b"]
+        assert _finite_visits(visits), visits
+    # NaN and infinities count as no credit at all: 'a' starts its turn from 0
+    if not math.isfinite(deficit):
+        (visit,) = drr.plan([Candidate("a", 2, deficit)], cursor="", turn_open=False, mode=mode,
+                            quantum=5.0, batch_size=10)
+        assert visit.deficit == 10.0 and visit.eligible
+
+
+@pytest.mark.parametrize("quantum", [NAN, INF, -1.0, 0.0, 1e-300])
+def test_plan_survives_a_hostile_quantum_and_a_deep_debt(quantum: float) -> None:
+    visits = drr.plan([Candidate("a", 1, -1e308), Candidate("b", 10_000, -1e12)], cursor="",
+                      turn_open=False, mode=Mode.RUNTIME, quantum=quantum, batch_size=5)
+    assert _finite_visits(visits), visits
+
+
+def test_a_debt_at_the_bound_still_recovers_in_one_fast_forward() -> None:
+    # float rounding at 1e12 must not leave the queue just short of eligible
+    (visit,) = drr.plan([Candidate("a", 1, -drr.MAX_CREDIT)], cursor="", turn_open=False, mode=Mode.RUNTIME,
+                        quantum=1.0, batch_size=5)
+    assert visit.eligible and visit.deficit >= 1e-9
+
+
+@pytest.mark.parametrize("mode", [Mode.JOBS, Mode.RUNTIME])
+@pytest.mark.parametrize("value", [*HOSTILE, -5.0])
+def test_charge_never_raises_and_stays_finite(mode: Mode, value: float) -> None:
+    visit = drr.Visit("a", value, eligible=True, max_jobs=10)
+    left, _ = drr.charge(visit, claimed=10, mode=mode, est_job_cost=1.0)
+    assert math.isfinite(left) and abs(left) <= drr.MAX_CREDIT
+    honest = drr.Visit("a", 5.0, eligible=True, max_jobs=10)
+    left, keep = drr.charge(honest, claimed=2, mode=Mode.RUNTIME, est_job_cost=value)
+    # an estimate that is not a finite, non-negative number is charged as 0
+    expected = 5.0 - 2 * min(value, drr.MAX_JOB_SECONDS) if math.isfinite(value) and value >= 0 else 5.0
+    assert left == pytest.approx(expected) and math.isfinite(left)
+    assert keep is (left > 0)
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -INF, -5.0, None, "junk"])
+def test_correction_counts_a_hostile_run_time_as_zero(value: object) -> None:
+    assert drr.correction(actual_seconds=value, charged_seconds=2.0) == -2.0  # type: ignore[arg-type]
+    assert drr.correction(actual_seconds=3.0, charged_seconds=value) == 3.0  # type: ignore[arg-type]
+
+
+def test_safe_values() -> None:
+    assert [drr.safe_deficit(v) for v in (NAN, INF, -INF, None, "x", -3.5, 1e308, -1e308)] == [
+        0.0, 0.0, 0.0, 0.0, 0.0, -3.5, drr.MAX_CREDIT, -drr.MAX_CREDIT]
+    assert [drr.safe_seconds(v) for v in (NAN, INF, -INF, -5.0, None, 2.5)] == [0.0, 0.0, 0.0, 0.0, 0.0, 2.5]
+    assert drr.estimate(None, default=0.1) == 0.1
+    assert drr.estimate(NAN, default=0.1) == 0.1
+    assert drr.estimate(INF, default=0.1) == 0.1
+    assert drr.estimate(-1.0, default=0.1) == 0.1
+    assert drr.estimate(0.0, default=0.1) == 0.0
+    assert drr.estimate(1e308, default=0.1) == drr.MAX_JOB_SECONDS
+    assert drr.estimate(NAN, default=NAN) == 0.0  # even a hostile default is made safe
+    assert drr.estimate("4.5", default=0.1) == 4.5  # Postgres numerics may arrive as text
+
+
+def test_a_poisoned_queue_recovers_and_shares_stay_fair() -> None:
+    """What NaN did before: every later pick died in math.floor(nan). Now the
+    poisoned deficit reads as 0 and the schedule carries on fairly."""
+    sim = Sim({"a": 1, "b": 1}, {"a": 10**6, "b": 10**6}, batch_size=10)
+    sim.deficit["a"] = NAN
+    served: Counter[str] = Counter()
+    for _ in range(200):
+        pick = sim.pick()
+        assert pick is not None
+        served[pick[0]] += pick[1]
+    assert served["a"] == served["b"]
+    runtime = Sim({"a": 1, "b": 1}, {"a": 10**6, "b": 10**6}, batch_size=2, mode=Mode.RUNTIME, quantum=1.0)
+    for _ in range(200):
+        pick = runtime.pick()
+        assert pick is not None
+        tenant, n = pick
+        runtime.finish(tenant, n, NAN if tenant == "a" else 0.5 * n)  # 'a' always reports NaN
+        runtime.deficit[tenant] = drr.safe_deficit(runtime.deficit[tenant])  # what the store keeps
+        runtime.avg[tenant] = drr.estimate(runtime.avg[tenant], default=0.5)
+    assert all(math.isfinite(d) for d in runtime.deficit.values())

@@ -7,6 +7,7 @@ jitter, capped, and the dead-letter rule.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,9 @@ from tenantq.store.model import ClaimedJob, Settlement
 
 MAX_RESULT_BYTES = 1024 * 1024
 MAX_ERROR_CHARS = 4000
+# a retry is never scheduled further out than this (make_interval's range is
+# far larger; a backoff configured with an infinite cap must not reach it)
+MAX_DELAY_SECONDS = 10 * 365 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,9 @@ def succeeded(job: ClaimedJob, result: Any, *, backoff: Backoff) -> Settlement:
     """Done, unless the result cannot be stored: then it is a failed attempt."""
     try:
         text = json.dumps(result, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except RecursionError:
+        return failed(job, "result is not JSON-serialisable: nested too deeply", backoff=backoff)
+    except (TypeError, ValueError, OverflowError) as exc:
         return failed(job, f"result is not JSON-serialisable: {exc}", backoff=backoff)
     if "\\u0000" in text.replace("\\\\", ""):
         return failed(job, "result contains a NUL character, which Postgres jsonb cannot store",
@@ -53,17 +59,41 @@ def failed(
     rng: random.Random | None = None,
 ) -> Settlement:
     """A failed attempt: retry after a backoff, or dead when attempts are used up."""
-    error = error.replace("\x00", "\\0")  # Postgres text cannot hold NUL
+    error = str(error).replace("\x00", "\\0")  # Postgres text cannot hold NUL
     error = error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 15] + "... (truncated)"
     if not retryable or job.attempt >= job.max_attempts:
         return Settlement(job_id=job.id, status="dead", error=error)
-    return Settlement(job_id=job.id, status="pending", error=error, delay=backoff.delay(job.attempt, rng))
+    delay = backoff.delay(job.attempt, rng)
+    delay = min(delay, MAX_DELAY_SECONDS) if math.isfinite(delay) and delay > 0 else 0.0
+    return Settlement(job_id=job.id, status="pending", error=error, delay=delay)
 
 
-def unstorable(job: ClaimedJob, settlement: Settlement, problem: str, backoff: Backoff) -> Settlement:
-    """Postgres refused a settlement's data: a done job becomes a failed
-    attempt naming the problem; an error text is stripped to plain text."""
+def first_line(problem: object) -> str:
+    """The first line of an error (a Postgres message's first line names
+    the problem; the rest is detail and context), as plain ASCII."""
+    lines = str(problem).strip().splitlines()
+    text = lines[0] if lines else type(problem).__name__
+    return text.encode("ascii", "replace").decode()[:500]
+
+
+def unstorable(job: ClaimedJob, settlement: Settlement, problem: object, backoff: Backoff) -> Settlement:
+    """Postgres refused a settlement on its own (see dispatch/settle.py): a
+    done job becomes a failed attempt naming the problem; a failure keeps
+    its status and says why its error text was replaced by plain text."""
+    reason = first_line(problem)
     if settlement.status == "done":
-        return failed(job, f"result could not be stored: {problem.strip().splitlines()[0]}", backoff=backoff)
+        return failed(job, f"result could not be stored: {reason}", backoff=backoff)
     clean = (settlement.error or "").encode("ascii", "replace").decode()
-    return Settlement(job_id=settlement.job_id, status=settlement.status, error=clean, delay=settlement.delay)
+    return Settlement(job_id=settlement.job_id, status=settlement.status,
+                      error=f"error text could not be stored: {reason}; as ASCII: {clean}",
+                      delay=settlement.delay)
+
+
+def last_resort(job: ClaimedJob, settlement: Settlement, problem: object, backoff: Backoff) -> Settlement:
+    """The last resort when even `unstorable` was refused: a failed attempt
+    (dead if it was going to be dead) with a fixed, plain reason; nothing
+    the job produced is kept."""
+    error = f"could not be stored: {first_line(problem)}"
+    if settlement.status == "dead":
+        return Settlement(job_id=settlement.job_id, status="dead", error=error)
+    return failed(job, error, backoff=backoff)

@@ -8,6 +8,15 @@ NOTIFY into wake-ups.
 
 Stopping is graceful: a slot finishes the job it is running, releases the
 batch's unstarted jobs (attempts refunded) and ends its lease.
+
+A worker never dies from a batch: whatever a claim, an executor or the
+settle bookkeeping (dispatch/settle.py) raises is contained in its slot. It
+is logged once, with the batch id, the batch's jobs are settled or released
+with the reason, and the slot carries on after a backoff. Only a worker
+that cannot carry on stops by itself (`failed`, `failure`; `tenantq worker`
+then exits non-zero with that one line): `max_failures` claims, or batches,
+failing in a row with no success in between, a slot thread dying, or, with
+`once`, a claim failing ONCE_CLAIM_ATTEMPTS times.
 """
 
 from __future__ import annotations
@@ -16,7 +25,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,23 +33,23 @@ from typing import Any
 import psycopg
 
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance
-from tenantq.dispatch.outcome import Backoff, failed, succeeded, unstorable
+from tenantq.dispatch.outcome import Backoff, first_line
+from tenantq.dispatch.settle import BatchRun, is_transient
 from tenantq.dispatch.wakeup import Listener, Wakeup
-from tenantq.errors import LeaseLost
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import Mode
 from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE, class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
-from tenantq.sandbox.executor import BatchExecutor, EgressUsed, JobEnded, JobStarted
-from tenantq.store import jobs
+from tenantq.sandbox.executor import BatchExecutor
 from tenantq.store.db import Database, Pool
-from tenantq.store.model import Batch, ClaimedJob, Settlement
+from tenantq.store.model import Batch
 from tenantq.store.queries import sql
 
 log = logging.getLogger("tenantq.worker")
-OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead"}
 ONCE_CLAIM_ATTEMPTS = 5
+
+__all__ = ["BatchRun", "Worker", "WorkerConfig", "WorkerStats"]
 
 
 def default_worker_id() -> str:
@@ -61,6 +69,9 @@ class WorkerConfig:
     quantum_seconds: float = 1.0
     interactive_share: float = DEFAULT_INTERACTIVE_SHARE
     worker_id: str = field(default_factory=default_worker_id)
+    # unexpected failures in a row (claims, or batches), with no success in
+    # between, after which the worker stops and reports failure
+    max_failures: int = 10
 
 
 @dataclass
@@ -108,7 +119,12 @@ class Worker:
         self.wakeup = Wakeup()
         self.leases = LeaseBook()
         self.started = threading.Event()
+        # the worker stopped by itself because it cannot carry on, and why
+        # (one line); `tenantq worker` then exits non-zero with it
         self.failed = False
+        self.failure: str | None = None
+        self._failing_lock = threading.Lock()
+        self._streaks = {"claims": 0, "batches": 0}
         # set when interactive work is runnable: recalls lent reserved slots
         self.interactive_waiting = threading.Event()
         self.reserved = reserved_slots(self.config.concurrency, self.config.interactive_share)
@@ -126,7 +142,7 @@ class Worker:
                                   on_reaped=self._reaped,
                                   on_interactive=self.interactive_waiting.set,
                                   reap_sandboxes=_driver_reaper(self.executor))
-        slots = [threading.Thread(target=self._slot, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
+        slots = [threading.Thread(target=self._slot_thread, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
                  for i in range(cfg.concurrency)]
         try:
             # reap before the first claim, so a restarted fleet picks up the
@@ -178,39 +194,89 @@ class Worker:
         self.stopping.set()
         self.wakeup.fire()
 
+    # -- failing -------------------------------------------------------
+    def _fail(self, why: str) -> None:
+        """Stop the worker: it cannot carry on (`why` is one line)."""
+        why = " ".join(why.split())
+        with self._failing_lock:
+            if self.failed:
+                return
+            self.failed, self.failure = True, why
+        log.error("worker %s stopping: %s", self.config.worker_id, why)
+        self.stop()
+
+    def _failed(self, what: str, last: str) -> None:
+        """One more unexpected failure of `what` ("claims" or "batches")."""
+        with self._failing_lock:
+            self._streaks[what] += 1
+            streak = self._streaks[what]
+        if streak == self.config.max_failures:  # once, whichever slot gets there
+            self._fail(f"{streak} {what} in a row failed with no success in between (last: {last})")
+
+    def _succeeded(self, what: str) -> None:
+        with self._failing_lock:
+            self._streaks[what] = 0
+
     # -- one slot ------------------------------------------------------
+    def _slot_thread(self, slot: int) -> None:
+        try:
+            self._slot(slot)
+        except BaseException as exc:  # _slot contains Exception; this is the backstop
+            log.critical("slot %d died", slot, exc_info=True)
+            self._fail(f"slot {slot} died: {_describe(exc)}")
+
     def _slot(self, slot: int) -> None:
-        failures = 0
-        executor_failures = 0
+        claim_errors = 0
+        batch_failures = 0
         while not self.stopping.is_set():
             seen = self.wakeup.generation
             try:
                 batch = self._claim()
-                failures = 0
-            except psycopg.Error as exc:
-                failures += 1
-                if self.config.once and failures >= ONCE_CLAIM_ATTEMPTS:
-                    # a cron drain must end: give up and say so (non-zero exit)
-                    log.error("claim failed %d times (%s); giving up", failures, str(exc).strip()[:200])
-                    self.failed = True
-                    self.stop()
+            except Exception as exc:
+                claim_errors += 1
+                if not self._claim_failed(exc, claim_errors):
                     return
-                delay = min(0.2 * 2**failures, 5.0)
-                log.warning("claim failed (%s); retrying in %.1fs", str(exc).strip()[:200], delay)
-                self.stopping.wait(delay)
                 continue
+            claim_errors = 0
+            self._succeeded("claims")
             if batch is None:
                 if self.config.once:
                     return
                 self.wakeup.wait(seen, self.config.poll_seconds)
                 continue
-            if self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved)):
-                executor_failures = 0
-            else:
-                # the executor itself failed (a sandbox that cannot start):
-                # its unstarted jobs went back; do not spin on them
-                executor_failures += 1
-                self.stopping.wait(min(0.5 * 2**executor_failures, 30.0))
+            try:
+                failure = self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved))
+            except Exception as exc:  # outside the batch's own containment: a bug
+                log.exception("batch %d: unexpected error; its lease will expire", batch.batch_id)
+                self.leases.remove(batch.batch_id)
+                failure = _describe(exc)
+            if failure is None:
+                batch_failures = 0
+                self._succeeded("batches")
+                continue
+            # its jobs are failed or released; do not spin on them
+            batch_failures += 1
+            self._failed("batches", f"batch {batch.batch_id}: {failure}")
+            self.stopping.wait(min(0.5 * 2**batch_failures, 30.0))
+
+    def _claim_failed(self, exc: Exception, failures: int) -> bool:
+        """A claim raised: back off and say whether the slot carries on.
+        Connection errors (Postgres restarting) are retried for as long as
+        it takes; anything else counts towards `max_failures`."""
+        what = _describe(exc)
+        if self.config.once and failures >= ONCE_CLAIM_ATTEMPTS:
+            # a cron drain must end: give up and say so (non-zero exit)
+            self._fail(f"the worker could not claim jobs: {failures} claims in a row failed (last: {what})")
+            return False
+        delay = min(0.2 * 2**failures, 5.0)
+        if is_transient(exc):
+            log.warning("claim failed (%s); retrying in %.1fs", what, delay)
+        else:
+            log.error("claim failed unexpectedly (%s); retrying in %.1fs", what, delay,
+                      exc_info=not isinstance(exc, psycopg.Error))
+            self._failed("claims", what)
+        self.stopping.wait(delay)
+        return True
 
     def _claim(self) -> Batch | None:
         assert self._pool is not None
@@ -228,10 +294,10 @@ class Worker:
                     continue
                 batch = claim_next(conn, request, priority)
                 if batch is not None:
-                    self.leases.add(batch.batch_id)
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:
                         waits.observe(job.waited)
+                    self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
                     return batch
                 if priority == "interactive":
                     self.interactive_waiting.clear()
@@ -245,147 +311,48 @@ class Worker:
             return True
         return False
 
-    def _run_batch(self, batch: Batch, *, lent: bool = False) -> bool:
-        """Run and settle one batch; False when the executor itself failed."""
+    def _run_batch(self, batch: Batch, *, lent: bool = False) -> str | None:
+        """Run and settle one batch. Returns None, or what went wrong when it
+        could not run normally (the executor or the bookkeeping raised): its
+        running job is then failed with the reason and the rest released."""
         run = BatchRun(self, batch)
         self.stats.add(batches=1)
-        outcome = "failed"
+        failure: str | None = None
         try:
-            self.executor.run(
-                batch,
-                env=self.secrets(batch.tenant_id),
-                report=run.report,
-                should_stop=lambda: self._should_stop(batch, lent),
-            )
-            outcome = "ok"
-        except Exception:
-            log.exception("executor failed on batch %d", batch.batch_id)
-            run.fail_running("executor error: the batch's runner failed")
-            outcome = "failed"
+            run.fail_undecodable()
+            runnable = run.runnable()
+            if runnable.jobs:
+                self.executor.run(
+                    runnable,
+                    env=self.secrets(batch.tenant_id),
+                    report=run.report,
+                    should_stop=lambda: self._should_stop(batch, lent),
+                )
+        except BaseException as exc:  # even SystemExit from a handler: a batch never ends a slot
+            failure = _describe(exc)
+            log.error("batch %d failed: %s; failing its running job, releasing the rest", batch.batch_id,
+                      failure, exc_info=True)
+        try:
+            if failure is not None:
+                run.fail_running(f"executor error: the batch's runner failed ({failure})")
+            run.finish("ok" if failure is None else "failed")
+        except Exception as exc:
+            log.exception("settling batch %d failed; failing and releasing its jobs", batch.batch_id)
+            failure = failure or f"settling failed: {_describe(exc)}"
+            run.abandon(f"the worker could not settle this batch: {_describe(exc)}")
         finally:
-            run.finish(outcome)
             self.leases.remove(batch.batch_id)
-        if self.executor.name == "inline" or outcome == "failed":
+        if self.executor.name == "inline" or failure is not None:
             # sandboxed executors count their own outcomes, by how the sandbox ended
-            metrics.BATCH_OUTCOMES.labels(self.executor.name, outcome).inc()
-        return outcome == "ok"
+            metrics.BATCH_OUTCOMES.labels(self.executor.name, "ok" if failure is None else "failed").inc()
+        return failure
 
 
-class BatchRun:
-    """Settlement bookkeeping for one batch: what started, what ended, what
-    is waiting to be written."""
-
-    def __init__(self, worker: Worker, batch: Batch) -> None:
-        self.worker = worker
-        self.batch = batch
-        self.jobs: dict[int, ClaimedJob] = {job.id: job for job in batch.jobs}
-        self.started: set[int] = set()
-        self.ended: set[int] = set()
-        self.pending: list[Settlement] = []
-        self.last_flush = time.monotonic()
-        self.lost = False
-        self.run_seconds = 0.0
-        self._job_started_at = 0.0
-        self._run_histogram = metrics.JOB_RUN.labels(batch.priority)
-        self.egress: EgressUsed | None = None
-
-    def report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
-        if isinstance(event, EgressUsed):
-            self.egress = event  # written with the end of the batch
-            return
-        if isinstance(event, JobStarted):
-            self.started.add(event.job_id)
-            self._job_started_at = time.monotonic()
-            return
-        job = self.jobs[event.job_id]
-        self.ended.add(event.job_id)
-        seconds = event.seconds if event.seconds is not None else time.monotonic() - self._job_started_at
-        self.run_seconds += seconds
-        self._run_histogram.observe(seconds)
-        backoff = self.worker.config.backoff
-        if event.ok:
-            self.pending.append(succeeded(job, event.result, backoff=backoff))
-        else:
-            self.pending.append(failed(job, event.error or "failed", backoff=backoff,
-                                       retryable=event.retryable))
-        if time.monotonic() - self.last_flush >= self.worker.config.flush_seconds:
-            self._write(end_outcome=None, release=())
-
-    def fail_running(self, error: str) -> None:
-        for job_id in sorted(self.started - self.ended):
-            self.report(JobEnded(job_id, ok=False, error=error))
-
-    def finish(self, outcome: str) -> None:
-        unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
-        # a job that started and never reported an end (the runner died on it)
-        self.fail_running("the runner stopped before the job ended")
-        if unstarted and outcome == "ok":
-            outcome = "released"
-        self._write(end_outcome=outcome, release=unstarted)
-
-    def _write(self, *, end_outcome: str | None, release: list[int] | tuple[()]) -> None:
-        if self.lost:
-            return
-        settlements, self.pending = self.pending, []
-        self.last_flush = time.monotonic()
-        pool = self.worker._pool
-        assert pool is not None
-        deadline = self.batch.lease_expires_at.timestamp() + self.worker.config.lease_seconds
-        attempt = 0
-        while True:
-            try:
-                with pool.connection() as conn:
-                    egress = self.egress if end_outcome is not None else None
-                    applied = jobs.settle(conn, self.batch.batch_id, settlements, release=release,
-                                end_outcome=end_outcome, run_seconds=self.run_seconds,
-                                ran_jobs=len(self.ended),
-                                charge_runtime=self.worker.config.fair_by is Mode.RUNTIME,
-                                egress=None if egress is None else (egress.record, egress.blocks))
-                break
-            except LeaseLost as exc:
-                self.lost = True
-                self.worker.stats.add(refused=len(settlements))
-                log.warning("%s", exc)
-                return
-            except psycopg.errors.DataError as exc:
-                # not transient: some result or error cannot be stored. Keep
-                # the batch's other outcomes; the offending ones become
-                # failed attempts that say why.
-                if attempt > 0:
-                    log.error("cannot settle batch %d: %s", self.batch.batch_id, exc)
-                    self.lost = True
-                    return
-                attempt += 1
-                settlements = [unstorable(self.jobs[s.job_id], s, str(exc), self.worker.config.backoff)
-                               for s in settlements]
-            except psycopg.Error as exc:
-                # Postgres restarting: keep trying while the lease could still
-                # be live; after that the reaper owns these jobs.
-                attempt += 1
-                if time.time() > deadline:
-                    log.error("giving up settling batch %d: %s", self.batch.batch_id, exc)
-                    self.lost = True
-                    return
-                time.sleep(min(0.1 * 2**attempt, 2.0))
-        applied_ids = set(applied)
-        settled = [s for s in settlements if s.job_id in applied_ids]
-        stats = self.worker.stats
-        stats.add(
-            done=sum(s.status == "done" for s in settled),
-            retried=sum(s.status == "pending" for s in settled),
-            dead=sum(s.status == "dead" for s in settled),
-            released=len(release),
-        )
-        priority = self.batch.priority
-        for status, label in OUTCOME_LABEL.items():
-            count = sum(s.status == status for s in settled)
-            if count:
-                metrics.JOB_OUTCOMES.labels(priority, label).inc(count)
-        for s in settled:
-            if s.status == "dead":
-                metrics.DEAD_LETTERED.labels(priority).inc()
-                job = self.jobs[s.job_id]
-                self.worker.alerts.fire(DeadJob(job.id, job.tenant_id, job.kind, job.attempt, s.error or ""))
+def _describe(exc: BaseException) -> str:
+    """`Type: first line of the message`, for logs and one-line reasons."""
+    if not str(exc).strip():
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc)}"[:300]
 
 
 def _driver_reaper(executor: BatchExecutor) -> Callable[[], list[str]] | None:

@@ -15,6 +15,12 @@ turn stays open on the same queue while it has credit for more, so a
 weight-3 tenant takes three batches in a row where a weight-1 tenant takes
 one. A queue at its tenant's cap is passed over without credit. When a
 queue empties its deficit resets to zero: idle tenants keep no credit.
+
+Nothing here raises on what the store holds or a job reported: a deficit,
+run time or average that is NaN, infinite, negative where it cannot be, or
+not a number at all is read as a safe value (a deficit of 0, no seconds, the
+default estimate), and every result is bounded (`MAX_CREDIT`), so a hostile
+number can neither poison the schedule nor overflow into one.
 """
 
 from __future__ import annotations
@@ -22,6 +28,46 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+
+# Bound on a queue's credit or debt, in cost units (jobs, or seconds: 1e12 s
+# is 30,000 years). Jobs mode credit is at most batch size x weight; a debt
+# is at most what the queue's batches really ran.
+MAX_CREDIT = 1e12
+# Bound on the per-job estimate charged at claim time (runtime mode), in
+# seconds: 11 days per job.
+MAX_JOB_SECONDS = 1e6
+
+
+def finite_or_none(value: object) -> float | None:
+    """`value` as a finite float, or None (NaN, infinity, not a number)."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def safe_deficit(value: object) -> float:
+    """A stored or computed deficit: 0 if it is not a finite number, else
+    within +-MAX_CREDIT. Negative is legitimate (runtime debt)."""
+    number = finite_or_none(value)
+    return 0.0 if number is None else min(max(number, -MAX_CREDIT), MAX_CREDIT)
+
+
+def safe_seconds(value: object, *, default: float = 0.0, limit: float = MAX_CREDIT) -> float:
+    """A run time or cost: `default` if it is not a finite, non-negative
+    number, else at most `limit`."""
+    number = finite_or_none(value)
+    if number is None or number < 0:
+        return default
+    return min(number, limit)
+
+
+def estimate(avg_job_seconds: object, *, default: float) -> float:
+    """The per-job cost charged at claim time in runtime mode: the queue's
+    average when it is a usable number, else `default` (itself bounded)."""
+    fallback = safe_seconds(default, limit=MAX_JOB_SECONDS)
+    return safe_seconds(avg_job_seconds, default=fallback, limit=MAX_JOB_SECONDS)
 
 
 class Mode(enum.StrEnum):
@@ -72,20 +118,37 @@ def plan(
     credited the number of whole rounds the first of them needs to recover,
     as DRR would after that many passes.
     """
+    quantum = safe_seconds(quantum, default=1.0) or 1.0
+    batch_size = max(1, batch_size)
+    weights = {c.tenant_id: max(1, c.weight) for c in candidates}
     visits: list[Visit] = []
     for c in candidates:
         if c.at_cap:
             continue
         continuing = turn_open and c.tenant_id == cursor
-        credit = c.deficit if continuing else c.deficit + quantum * c.weight
+        deficit = safe_deficit(c.deficit)
+        credit = deficit if continuing else safe_deficit(deficit + quantum * weights[c.tenant_id])
         visits.append(_visit(c.tenant_id, credit, mode, batch_size))
     if not visits or any(v.eligible for v in visits):
         return visits
-    weights = {c.tenant_id: c.weight for c in candidates}
-    rounds = min(math.ceil((_threshold(mode) - v.deficit) / (quantum * weights[v.tenant_id])) for v in visits)
-    rounds = max(rounds, 1)
-    return [_visit(v.tenant_id, v.deficit + rounds * quantum * weights[v.tenant_id], mode, batch_size)
+    rounds = max(min(_rounds_to_recover(v.deficit, quantum * weights[v.tenant_id], mode) for v in visits), 1)
+    return [_visit(v.tenant_id, safe_deficit(v.deficit + rounds * quantum * weights[v.tenant_id]), mode,
+                   batch_size)
             for v in visits]
+
+
+def _rounds_to_recover(deficit: float, step: float, mode: Mode) -> int:
+    """Whole rounds of `step` credit a queue in debt needs to become eligible
+    (bounded: a tiny quantum cannot make it overflow)."""
+    need = (_threshold(mode) - deficit) / step
+    if not (math.isfinite(need) and need < 4 * MAX_CREDIT):
+        return int(4 * MAX_CREDIT)
+    rounds = max(math.ceil(need), 1)
+    for _ in range(3):  # float rounding at a large debt can leave it just short
+        if deficit + rounds * step >= _threshold(mode):
+            break
+        rounds += 1
+    return rounds
 
 
 def _visit(tenant_id: str, credit: float, mode: Mode, batch_size: int) -> Visit:
@@ -102,16 +165,20 @@ def charge(visit: Visit, *, claimed: int, mode: Mode, est_job_cost: float = 0.0)
     a queue of cheap jobs from taking a batch per visit while its credit
     grows without bound.
     """
+    claimed = max(0, claimed)
     if mode is Mode.JOBS:
-        left = visit.deficit - claimed
+        left = safe_deficit(safe_deficit(visit.deficit) - claimed)
         return left, left >= 1
-    left = visit.deficit - est_job_cost * claimed
+    cost = safe_seconds(est_job_cost, limit=MAX_JOB_SECONDS) * claimed
+    left = safe_deficit(safe_deficit(visit.deficit) - cost)
     return left, left > 0
 
 
 def correction(*, actual_seconds: float, charged_seconds: float) -> float:
-    """What to subtract from the deficit when a runtime-charged batch ends."""
-    return actual_seconds - charged_seconds
+    """What to subtract from the deficit when a runtime-charged batch ends
+    (queues.sql `charge` does the same in SQL). A run time that is not a
+    finite, non-negative number counts as 0."""
+    return safe_seconds(actual_seconds) - safe_seconds(charged_seconds)
 
 
 def _threshold(mode: Mode) -> float:

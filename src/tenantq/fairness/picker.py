@@ -62,7 +62,8 @@ def claim_next(
             drr.Candidate(
                 tenant_id=str(r["tenant_id"]),
                 weight=int(str(r["weight"])),
-                deficit=float(str(r["deficit"])),
+                # never trusted to be a usable number (see drr.safe_deficit)
+                deficit=drr.safe_deficit(r["deficit"]),
                 at_cap=r["max_sandboxes"] is not None and int(str(r["live"])) >= int(str(r["max_sandboxes"])),
             )
             for r in rows
@@ -70,9 +71,9 @@ def claim_next(
         capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
         egress_of = {str(r["tenant_id"]): tuple(str(e) for e in (r["egress"] or ())) for r in rows}  # type: ignore[attr-defined]
         # runtime mode: until a queue has history, assume a batch costs one quantum
-        default_est = request.quantum_seconds / request.batch_size
-        estimates = {str(r["tenant_id"]): float(str(r["avg_job_seconds"])) if r["avg_job_seconds"] is not None
-                     else default_est for r in rows}
+        default_est = request.quantum_seconds / max(1, request.batch_size)
+        estimates = {str(r["tenant_id"]): drr.estimate(r["avg_job_seconds"], default=default_est)
+                     for r in rows}
         visits = drr.plan(candidates, cursor=cursor, turn_open=turn_open, mode=request.fair_by,
                           quantum=request.quantum, batch_size=request.batch_size)
         walked_past: dict[str, float] = {}

@@ -3,7 +3,10 @@ where several statements must commit together (see the docstrings)."""
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -87,6 +90,27 @@ def _ids_with_existing(
     return ids
 
 
+@dataclass(frozen=True)
+class UndecodablePayload:
+    """Stands in for the payload of a claimed job whose stored JSON cannot be
+    decoded here (nested deeper than Python's recursion limit allows, say).
+    The worker fails such a job at once, as dead, without running it."""
+
+    reason: str
+
+
+def decode_payload(text: str | None) -> Any:
+    """A claimed job's payload from its jsonb text; never raises."""
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return UndecodablePayload("payload cannot be decoded: nested too deeply")
+    except (ValueError, MemoryError) as exc:
+        return UndecodablePayload(f"payload cannot be decoded: {str(exc)[:200]}")
+
+
 def claim(
     conn: Conn,
     *,
@@ -98,7 +122,11 @@ def claim(
     lease_seconds: float,
     now: datetime | None = None,
 ) -> Batch | None:
-    """Lease up to `limit` runnable jobs of one tenant and class."""
+    """Lease up to `limit` runnable jobs of one tenant and class.
+
+    A job whose payload cannot be decoded is leased like the others, with an
+    `UndecodablePayload` as its payload: the claim must not fail on one
+    stored row (it would fail again on every claim of that tenant)."""
     rows = conn.execute(
         sql("jobs", "claim"),
         {
@@ -125,7 +153,7 @@ def claim(
                 id=int(str(r["id"])),
                 tenant_id=tenant_id,
                 kind=str(r["kind"]),
-                payload=r["payload"],
+                payload=decode_payload(None if r["payload_text"] is None else str(r["payload_text"])),
                 attempt=int(str(r["attempts"])),
                 max_attempts=int(str(r["max_attempts"])),
                 waited=float(str(r["waited"])),
@@ -158,6 +186,8 @@ def settle(
     batch's network counts and refused requests, written with its end.
     """
     release_ids = list(release)
+    if run_seconds is not None and not (math.isfinite(run_seconds) and run_seconds >= 0):
+        run_seconds = 0.0  # the dispatcher clamps it; the store does not rely on that either
     # Pipelined: BEGIN and every statement go out in one round trip, COMMIT
     # in a second. The statements do not depend on each other's results; if
     # the lease turns out to be lost, raising rolls all of them back.
@@ -192,7 +222,8 @@ def settle(
                     "batch_id": batch_id, "job_ids": [b.get("job_id") for b in blocks],
                     "hosts": [str(b["host"])[:300] for b in blocks],
                     "reasons": [str(b["reason"])[:1000] for b in blocks],
-                    "ats": [float(b["at"]) for b in blocks],
+                    "ats": [_block_time(b.get("at")) for b in blocks],
+                    "now": now,
                 })
             if charge_runtime and run_seconds is not None:
                 conn.execute(sql("queues", "charge"), {"batch_id": batch_id, "jobs": ran_jobs})
@@ -200,6 +231,21 @@ def settle(
         if live.fetchone() is None:
             raise LeaseLost(f"lease {batch_id} is no longer live; its jobs were or will be re-leased")
         return [int(str(r["id"])) for r in settled.fetchall()] if settled is not None else []
+
+
+# to_timestamp() takes any finite float8, but psycopg reads timestamps only
+# up to the year 9999
+_LATEST_EPOCH = 253402300799.0
+
+
+def _block_time(at: object) -> float | None:
+    """When a refused request happened (epoch seconds), or None (the batch's
+    clock stands in) when it is not a usable time."""
+    try:
+        seconds = float(at)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return seconds if math.isfinite(seconds) and 0 <= seconds <= _LATEST_EPOCH else None
 
 
 def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:

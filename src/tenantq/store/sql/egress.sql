@@ -4,7 +4,10 @@
 -- Written with the end of the batch, in the settle transaction; the tenant
 -- is the batch's (never taken from what the sandbox reported).
 INSERT INTO egress_blocks (tenant_id, batch_id, job_id, host, reason, blocked_at)
-SELECT b.tenant_id, b.batch_id, r.job_id, r.host, r.reason, to_timestamp(r.at)
+-- `at` is NULL when it was not a usable time (jobs.py checks it): the
+-- batch's clock stands in.
+SELECT b.tenant_id, b.batch_id, r.job_id, r.host, r.reason,
+       coalesce(to_timestamp(r.at), coalesce(%(now)s::timestamptz, now()))
 FROM batches b,
      unnest(%(job_ids)s::bigint[], %(hosts)s::text[], %(reasons)s::text[], %(ats)s::double precision[])
          AS r(job_id, host, reason, at)

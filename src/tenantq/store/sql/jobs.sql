@@ -75,6 +75,9 @@ SELECT pg_notify(%(channel)s, '');
 -- the batch row is only inserted when something was picked (HAVING), and its
 -- identity value is the fencing token every later settle must present.
 -- The attempt is counted here, at lease time, so a crash still counts.
+-- The payload comes back as text: jobs.py decodes it itself, so a stored
+-- payload Python cannot decode (nested too deeply) fails that one job
+-- instead of aborting the claim in the driver's jsonb loader.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), picked AS MATERIALIZED (
@@ -100,9 +103,12 @@ UPDATE jobs j
 SET status = 'running', batch_id = b.batch_id, attempts = j.attempts + 1, started_at = clock.now
 FROM picked p, batch b, clock
 WHERE j.id = p.id
-RETURNING j.id, j.tenant_id, j.kind, j.payload, j.priority, j.attempts, j.max_attempts,
-          b.batch_id, b.lease_expires_at,
-          greatest(extract(epoch FROM clock.now - j.run_after), 0)::double precision AS waited;
+RETURNING j.id, j.tenant_id, j.kind, j.payload::text AS payload_text, j.priority, j.attempts,
+          j.max_attempts, b.batch_id, b.lease_expires_at,
+          -- isfinite: a run_after of '-infinity' (written by hand) cannot be subtracted
+          CASE WHEN isfinite(j.run_after)
+               THEN greatest(extract(epoch FROM clock.now - j.run_after), 0)::double precision
+               ELSE 0::double precision END AS waited;
 
 -- name: settle
 -- Apply each job's outcome, but only while the job still runs under the

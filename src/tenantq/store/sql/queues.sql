@@ -66,12 +66,19 @@ WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s;
 -- transaction): replace the estimate charged at claim time with the
 -- measured seconds, and fold the batch's per-job time into the queue's
 -- moving average (weight 0.2 for the newest batch).
+-- Every operand is bounded first, as fairness/drr.py bounds them (1e12 =
+-- MAX_CREDIT, 1e6 = MAX_JOB_SECONDS): the columns are finite (CHECKs), but a
+-- finite 1e308 written by hand would still overflow float8 arithmetic, and
+-- that error would fail the batch's settle.
 UPDATE queues q
-SET deficit = q.deficit - (b.run_seconds - coalesce(b.charged_seconds, 0)),
+SET deficit = greatest(-1e12::float8, least(1e12::float8,
+        greatest(-1e12::float8, least(1e12::float8, q.deficit))
+        - (least(1e12::float8, b.run_seconds) - least(1e12::float8, coalesce(b.charged_seconds, 0))))),
     avg_job_seconds = CASE
         WHEN %(jobs)s::integer <= 0 THEN q.avg_job_seconds
-        WHEN q.avg_job_seconds IS NULL THEN b.run_seconds / %(jobs)s::integer
-        ELSE 0.8 * q.avg_job_seconds + 0.2 * b.run_seconds / %(jobs)s::integer END
+        WHEN q.avg_job_seconds IS NULL THEN least(1e6::float8, b.run_seconds / %(jobs)s::integer)
+        ELSE 0.8 * least(1e6::float8, q.avg_job_seconds)
+             + 0.2 * least(1e6::float8, b.run_seconds / %(jobs)s::integer) END
 FROM batches b
 WHERE b.batch_id = %(batch_id)s AND b.run_seconds IS NOT NULL
   AND q.tenant_id = b.tenant_id AND q.priority = b.priority;

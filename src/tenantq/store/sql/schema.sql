@@ -7,6 +7,12 @@
 --
 -- Every object lives in the schema named by TENANTQ_SCHEMA (the connection's
 -- search_path), so names here are unqualified.
+--
+-- Finite numbers: a double precision column accepts NaN and ±Infinity, and
+-- NaN passes a `>= 0` CHECK (Postgres sorts NaN above every number). Every
+-- float column therefore also has a `<column>_finite` CHECK,
+-- `x > '-Infinity' AND x < 'Infinity'`, which is false for NaN and for both
+-- infinities (migration 0004).
 
 CREATE TABLE tenants (
     tenant_id     text PRIMARY KEY
@@ -31,12 +37,15 @@ CREATE TABLE queues (
     has_work   boolean NOT NULL DEFAULT true,
     -- earliest run_after among its pending jobs, as far as the scheduler knows
     next_run_at timestamptz NOT NULL DEFAULT '-infinity',
-    -- deficit round robin credit, in cost units (jobs or seconds)
-    deficit    double precision NOT NULL DEFAULT 0,
+    -- deficit round robin credit, in cost units (jobs or seconds); may be
+    -- negative (runtime debt), never NaN or infinite (see "Finite numbers")
+    deficit    double precision NOT NULL DEFAULT 0
+        CONSTRAINT deficit_finite CHECK (deficit > '-Infinity'::float8 AND deficit < 'Infinity'::float8),
     PRIMARY KEY (tenant_id, priority),
     -- fairness by run time: moving average of its jobs' run seconds
     avg_job_seconds double precision
         CONSTRAINT avg_job_seconds_nonnegative CHECK (avg_job_seconds IS NULL OR avg_job_seconds >= 0)
+        CONSTRAINT avg_job_seconds_finite CHECK (avg_job_seconds IS NULL OR (avg_job_seconds > '-Infinity'::float8 AND avg_job_seconds < 'Infinity'::float8))
 );
 CREATE INDEX queues_with_work ON queues (priority, tenant_id) WHERE has_work;
 
@@ -68,10 +77,12 @@ CREATE TABLE batches (
     CONSTRAINT ended_has_outcome CHECK ((ended_at IS NULL) = (outcome IS NULL)),
     CONSTRAINT lease_after_creation CHECK (lease_expires_at >= created_at),
     -- measured run time of its jobs: the DRR cost with fairness by run time
-    run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0),
+    run_seconds      double precision CONSTRAINT run_seconds_nonnegative CHECK (run_seconds IS NULL OR run_seconds >= 0)
+        CONSTRAINT run_seconds_finite CHECK (run_seconds IS NULL OR (run_seconds > '-Infinity'::float8 AND run_seconds < 'Infinity'::float8)),
     -- fairness by run time: the estimate charged when it was claimed
     charged_seconds  double precision
-        CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0),
+        CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0)
+        CONSTRAINT charged_seconds_finite CHECK (charged_seconds IS NULL OR (charged_seconds > '-Infinity'::float8 AND charged_seconds < 'Infinity'::float8)),
     -- network use through the egress proxy (allowed, blocked, bytes_out, bytes_in)
     egress           jsonb CONSTRAINT egress_is_object CHECK (egress IS NULL OR jsonb_typeof(egress) = 'object')
 );
