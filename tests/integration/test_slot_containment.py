@@ -194,6 +194,9 @@ def test_a_payload_nested_too_deeply_fails_its_job_and_the_worker_carries_on(
         assert thread.thread.is_alive() and not worker.failed
     row = _job(db, deep)
     assert (row["attempts"], row["last_error"]) == (1, "payload cannot be decoded: nested too deeply")
+    # and it can still be looked at: Queue.job shows a note instead of raising
+    info = queue.job(deep)
+    assert info.status == "dead" and info.payload == {"undecodable": "nested too deeply to show"}
 
 
 # -- exceptions in a slot --------------------------------------------------------

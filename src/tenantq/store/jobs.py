@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, set_json_loads
 
 from tenantq.errors import InvalidInput, JobNotFound, LeaseLost
 from tenantq.store import validation
@@ -283,8 +283,19 @@ def expire_leases(conn: Conn, *, now: datetime | None = None) -> list[dict[str, 
     return rows
 
 
+def _readable_json(text: str | bytes) -> Any:
+    """jsonb for display: a value Python cannot decode (a payload stored
+    before enqueue refused deep nesting) shows as a note, never a crash."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return {"undecodable": "nested too deeply to show"}
+
+
 def get_job(conn: Conn, job_id: int) -> JobInfo:
-    row = conn.execute(sql("jobs", "get"), {"id": job_id}).fetchone()
+    cur = conn.cursor()
+    set_json_loads(_readable_json, cur)
+    row = cur.execute(sql("jobs", "get"), {"id": job_id}).fetchone()
     if row is None:
         raise JobNotFound(f"no job with id {job_id}")
     fields = JobInfo.__dataclass_fields__
