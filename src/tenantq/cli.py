@@ -259,12 +259,14 @@ def db_stop() -> None:
 @click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
 @click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
               help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
+@click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
+              help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
            on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
            snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
-           hibernate_after: float | None) -> None:
+           hibernate_after: float | None, work_mb: int) -> None:
     """Run jobs: lease batches fairly, run them, settle every job."""
     from tenantq.cli_sandbox import make_executor
     from tenantq.dispatch.outcome import Backoff
@@ -283,7 +285,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
                         max_idle=concurrency)
-    executor = make_executor(app, sandbox, policy, secrets)
+    executor = make_executor(app, sandbox, policy, secrets, work_mb=work_mb)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                           poll_seconds=poll_seconds, once=once,
                           backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),

@@ -20,7 +20,7 @@ SNAPSHOT_DRIVERS = ("gvisor",)
 
 
 def make_executor(app: str, sandbox: str, policy: WarmPolicy,
-                  secrets: SecretsProvider | None = None) -> BatchExecutor:
+                  secrets: SecretsProvider | None = None, *, work_mb: int = 128) -> BatchExecutor:
     """The executor `tenantq worker --app APP --sandbox NAME` runs batches on."""
     from tenantq.registry import REGISTRY, load_app
     from tenantq.sandbox.batch import SandboxExecutor
@@ -35,7 +35,7 @@ def make_executor(app: str, sandbox: str, policy: WarmPolicy,
         return InlineExecutor(REGISTRY)
     driver, chosen = get_driver(sandbox, Settings().data_dir)
     log.info("%s", chosen)
-    return SandboxExecutor(driver, REGISTRY, app, policy=policy, secrets=secrets)
+    return SandboxExecutor(driver, REGISTRY, app, policy=policy, secrets=secrets, work_mb=work_mb)
 
 
 def _stores() -> list[SnapshotStore]:
