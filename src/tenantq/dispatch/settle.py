@@ -6,6 +6,7 @@ another batch, or for a job that already ended, is dropped, and a job's run
 seconds (`JobEnded.seconds`: None, NaN, infinite, negative, anything) are
 clamped to [0, the batch's wall time measured here with time.monotonic()],
 as is the batch's total. That total is the DRR cost with fairness by run time.
+(docs/security.md, rule H4: a number the host did not measure is never trusted.)
 
 Writing (`_write`) puts the batch's outcomes in one transaction. When it
 fails, the error decides what happens (`is_transient`):

@@ -9,7 +9,7 @@ NOTIFY into wake-ups.
 Stopping is graceful: a slot finishes the job it is running, releases the
 batch's unstarted jobs (attempts refunded) and ends its lease.
 
-A worker never dies from a batch: whatever a claim, an executor or the
+A worker never dies from a batch (docs/security.md, rule H6): whatever a claim, an executor or the
 settle bookkeeping (dispatch/settle.py) raises is contained in its slot. It
 is logged once, with the batch id, the batch's jobs are settled or released
 with the reason, and the slot carries on after a backoff. Only a worker

@@ -10,6 +10,7 @@ releases), the IANA special-purpose registries are spelled out below, so an
 address is refused when either says it is not global, on every Python.
 IPv6 outside 2000::/3 (the only space IANA allocates for global unicast) is
 refused, except the forms whose destination is their IPv4 address.
+(docs/security.md, rule E1.)
 """
 
 from __future__ import annotations

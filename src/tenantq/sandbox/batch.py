@@ -163,7 +163,8 @@ class SandboxExecutor:
                 stderr = ended.result.stderr[-500:] if ended.result else ""
                 log.error("sandbox failed before its first job: %s; stderr: %s", ended.end.reason(), stderr)
                 if server.origin in ("template", "hibernated") and ended.result is not None:
-                    # no job's code ran in this restored sandbox: its image is broken
+                    # no job's code ran in this restored sandbox, so its image is
+                    # broken: host-observed corruption (rule S1), never the guest's say
                     self._restore_failed(server, ended.result)
             end = ended.end
             if end.kind == "signal" and end.signal == 9 and server.sandbox.oom_killed():

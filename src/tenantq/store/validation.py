@@ -1,5 +1,6 @@
 """Input checks for everything a user can send. Each failure is one line
-that names the field and the rule, raised before anything is written."""
+that names the field and the rule, raised before anything is written
+(docs/security.md, rule I1: what a worker will claim must not crash it)."""
 
 from __future__ import annotations
 
