@@ -1,15 +1,21 @@
 """Helpers for testing code that uses tenantq (shipped to users, like
 Oban.Testing): drain a queue synchronously, wait on a condition with a
-deadline instead of sleeping."""
+deadline instead of sleeping, and, as a pytest plugin
+(`pytest_plugins = ["tenantq.testing"]` or `pytest -p tenantq.testing`),
+the fixtures `tenantq_db` (a fresh, migrated schema of its own on the
+configured database, dropped afterwards) and `tenantq_queue` (a Queue on it).
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.queue import Queue
 from tenantq.registry import REGISTRY, Registry
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
@@ -53,3 +59,46 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {message}")
         time.sleep(interval)
+
+
+def isolated_schema(prefix: str = "tq_test") -> Database:
+    """A new, migrated schema on the configured database (TENANTQ_DATABASE_URL,
+    or the embedded Postgres); drop it with `drop_schema`."""
+    from tenantq.store.migrate import migrate
+
+    base = Database.resolve()
+    db = Database(dsn=base.dsn, schema=f"{prefix}_{uuid.uuid4().hex[:12]}")
+    migrate(db)
+    return db
+
+
+def drop_schema(db: Database) -> None:
+    import psycopg
+    from psycopg import sql as pgsql
+
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
+
+
+try:  # the pytest plugin: only where pytest is installed (it is not a dependency)
+    import pytest
+except ImportError:  # pragma: no cover
+    pass
+else:
+    @pytest.fixture
+    def tenantq_db() -> Iterator[Database]:
+        """A fresh, migrated tenantq schema of this test's own, dropped afterwards."""
+        db = isolated_schema()
+        try:
+            yield db
+        finally:
+            drop_schema(db)
+
+    @pytest.fixture
+    def tenantq_queue(tenantq_db: Database) -> Iterator[Queue]:
+        """A Queue on `tenantq_db`."""
+        queue = Queue(tenantq_db.dsn, schema=tenantq_db.schema)
+        try:
+            yield queue
+        finally:
+            queue.close()

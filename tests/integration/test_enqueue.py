@@ -184,13 +184,13 @@ def test_payload_size_limit_is_one_consistent_rule(queue: Queue, db: Database) -
     Postgres renders jsonb text with ", " and ": ", so a payload of many
     small items is ~1.5x longer there than in compact JSON."""
     # the same size under any rendering: must be stored
-    text = "x" * (MAX_PAYLOAD_BYTES - 2)
+    text = {"t": "x" * (MAX_PAYLOAD_BYTES - 9)}  # {"t": "..."} is 9 bytes around the string
     assert queue.job(queue.enqueue("acme", "demo.noop", text)).payload == text
     # comfortably under the limit however it is measured: must be stored
     keyed = {f"k{i:05d}": i for i in range(12_000)}
     assert queue.job(queue.enqueue("acme", "demo.noop", keyed)).payload == keyed
     # 200 KB compact, 300 KB as Postgres renders it: stored or InvalidInput
-    many = [0] * 100_000
+    many = {"n": [0] * 100_000}
     before = table_counts(db)
     outcome: int | str
     try:
@@ -204,7 +204,7 @@ def test_payload_size_limit_is_one_consistent_rule(queue: Queue, db: Database) -
         assert queue.job(outcome).payload == many
     # over the limit in any rendering: InvalidInput
     with pytest.raises(tenantq.InvalidInput, match="limit"):
-        queue.enqueue("acme", "demo.noop", [0] * 140_000)
+        queue.enqueue("acme", "demo.noop", {"n": [0] * 140_000})
 
 
 def test_delayed_job_is_not_claimable_until_due(queue: Queue, db: Database) -> None:
@@ -233,3 +233,14 @@ def test_delayed_and_immediate_jobs_of_one_tenant(queue: Queue, db: Database) ->
         assert claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=4)) is None
         batch = claim_next(conn, REQUEST, "default", now=now + timedelta(seconds=3601))
         assert batch is not None and [j.id for j in batch.jobs] == [later]
+
+
+@pytest.mark.parametrize(("payload", "shown"), [([1, 2], "an array"), ("text", "a string"), (3, "a number"),
+                                                 (True, "a boolean")])
+def test_a_payload_must_be_a_json_object(queue: Queue, db: Database, payload: object, shown: str) -> None:
+    before = table_counts(db)
+    with pytest.raises(tenantq.InvalidInput, match=f"payload must be a JSON object .*got {shown}$"):
+        queue.enqueue("acme", "demo.noop", payload)
+    assert table_counts(db) == before
+    # a missing payload is the empty object
+    assert queue.job(queue.enqueue("acme", "demo.noop")).payload == {}

@@ -66,9 +66,11 @@ def drop_privileges(uid: int | None) -> None:
 def reseed() -> None:
     """A restored image and a fork both duplicate the parent's PRNG states:
     give this job its own (os.urandom differs per restore and per fork)."""
-    import random
-
-    random.seed()
+    # only what the parent imported: a module imported later by the job
+    # seeds itself (and importing random here would cost milliseconds per job)
+    random = sys.modules.get("random")
+    if random is not None:
+        random.seed()
     tempfile = sys.modules.get("tempfile")
     if tempfile is not None:
         tempfile._name_sequence = None  # type: ignore[attr-defined]

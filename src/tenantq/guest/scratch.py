@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from typing import Any
 
 WORK_DIR = "/tenantq/work"
 SCRATCH_DIRS = (WORK_DIR, "/tmp", "/dev/shm", "/dev/mqueue")
@@ -40,14 +41,26 @@ def _empty(directory: str, keep: set[str]) -> None:
                 os.unlink(path)
 
 
+def _libc() -> Any:
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+# loaded once in the warm parent (which imports this module at boot), not per job
+_LIBC = _libc()
+
+
 def _remove_ipc() -> None:
     """System V shared memory, message queues and semaphores outlive their
     processes: remove every one this uid may (there are none normally)."""
     import ctypes
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    libc = _LIBC
+    if libc is None:
         return
     buf = ctypes.create_string_buffer(512)
     calls = (libc.shmctl, libc.msgctl, libc.semctl)

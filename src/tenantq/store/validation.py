@@ -157,6 +157,18 @@ def text_depth(text: str) -> int:
     return deepest
 
 
+def payload_object(value: Any) -> dict[str, Any]:
+    """A payload is a JSON object (the handler's keyword-like arguments, as
+    in Oban and River); a missing one is {}."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        kind_name = {list: "an array", tuple: "an array", str: "a string", bool: "a boolean",
+                     int: "a number", float: "a number"}.get(type(value), type(value).__name__)
+        raise InvalidInput(f'payload must be a JSON object such as {{"month": 9}}, got {kind_name}')
+    return value
+
+
 def parse_payload(text: str) -> Any:
     """Parse a payload given as JSON text (the CLI's --payload)."""
     try:
@@ -207,6 +219,7 @@ def new_job(
     key: object = None,
 ) -> tuple[NewJob, str]:
     """Validate one job; returns it with its payload already serialised."""
+    payload = payload_object(payload)
     job = NewJob(
         tenant_id=tenant_id(tenant),
         kind=kind(kind_),
