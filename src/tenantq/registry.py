@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from tenantq.egress.policy import Rule, parse_rules
-from tenantq.errors import InvalidInput
+from tenantq.errors import InvalidInput, TenantqError
 from tenantq.store import validation
 
 Isolation = Literal["sandbox", "inline"]
+# "job": a fresh process per job (the default; docs/security.md rule C2);
+# "batch": consecutive jobs of this kind in one batch share one process
+Process = Literal["job", "batch"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Handler:
     warmup: str | None = None
     # narrows the tenant's egress rules while this handler runs (never widens)
     egress: tuple[Rule, ...] | None = None
+    process: Process = "job"
 
 
 class Registry:
@@ -112,6 +119,7 @@ def handler(
     sandbox_only: bool = False,
     warmup: str | None = None,
     egress: list[str] | None = None,
+    process: Process = "job",
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
     """Register `func(payload, ctx)` as the handler of `kind`.
@@ -123,6 +131,10 @@ def handler(
     (and is baked into the template snapshot), not once per job.
     `egress=["api.stripe.com"]` narrows what the tenant's egress rules allow
     while this handler runs; it can never allow more than the tenant's rules.
+    `process="batch"` lets consecutive jobs of this kind in one sandboxed
+    batch share one process (no fork per job: much faster under gVisor),
+    trusting that one job's code does not tamper with the next ones of the
+    same kind in its batch; the default, "job", gives every job a fresh one.
     """
     validation.kind(kind)
     if timeout <= 0:
@@ -131,6 +143,8 @@ def handler(
         raise InvalidInput(f"handler {kind!r}: memory_mb must be at least 16, got {memory_mb}")
     if isolation not in ("sandbox", "inline"):
         raise InvalidInput(f"handler {kind!r}: isolation must be 'sandbox' or 'inline'")
+    if process not in ("job", "batch"):
+        raise InvalidInput(f"handler {kind!r}: process must be 'job' or 'batch', got {process!r}")
     if warmup is not None and not _is_warmup_name(warmup):
         raise InvalidInput(f"handler {kind!r}: warmup must be 'module:function', got {warmup!r}")
 
@@ -138,7 +152,7 @@ def handler(
 
     def register(func: F) -> F:
         (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only,
-                                           warmup, narrowed))
+                                           warmup, narrowed, process))
         return func
 
     return register
@@ -161,19 +175,111 @@ def _is_warmup_name(name: str) -> bool:
                 and all(part.isidentifier() for part in module.split(".")))
 
 
-def load_app(module: str) -> str:
-    """Import the app module that registers handlers; returns its file path.
+def load_app(app: str) -> str:
+    """Import the app module that registers handlers; returns its dotted name.
 
-    The current directory is put on sys.path first, as `python -m` would.
+    `app` is a dotted module importable from the current directory or
+    PYTHONPATH (`myapp.jobs`); the current directory is put on sys.path
+    first, as `python -m` would. Also accepted: a file (`myapp/jobs.py`),
+    named from the top of its package (the nearest parent without an
+    `__init__.py`, which is put on sys.path), and `module:attr`
+    (`myapp.jobs:app`), which imports the module. Every failure is an
+    InvalidInput of one line: the error's first line and the app's file:line.
     """
     cwd = str(Path.cwd())
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
+    module = _app_module(app)
     try:
-        imported = importlib.import_module(module)
-    except ImportError as exc:
-        raise InvalidInput(f"cannot import app module {module!r}: {exc}") from None
-    return str(getattr(imported, "__file__", module))
+        importlib.import_module(module)
+    except SyntaxError as exc:  # IndentationError too: the app's own file and line
+        where = f" ({_shown(exc.filename)}:{exc.lineno})" if exc.filename else ""
+        raise InvalidInput(f"cannot import the app {module}: {type(exc).__name__}: {exc.msg}{where}"
+                           ) from None
+    except Exception as exc:
+        raise InvalidInput(_import_failure(module, exc)) from None
+    if module != "tenantq.builtins" and not any(
+            (h := REGISTRY.get(k)) is not None and getattr(h.func, "__module__", "") != "tenantq.builtins"
+            for k in REGISTRY.kinds()):
+        raise InvalidInput(f"the app {module} registers no handler: "
+                           "decorate functions with @tenantq.handler(KIND)")
+    return module
+
+
+_APP_FORMS = "--app takes a dotted module importable from the current directory or PYTHONPATH (myapp.jobs)"
+
+
+def _app_module(app: str) -> str:
+    """`myapp.jobs`, `myapp.jobs:attr`, `myapp/jobs.py` or `myapp/` -> the module to import."""
+    spec = app.strip().split(":", 1)[0]  # module:attr -> the module
+    if not spec:
+        raise InvalidInput(f"--app {app!r} names no module: {_APP_FORMS}")
+    if "/" not in spec and os.sep not in spec and not spec.endswith(".py"):
+        if not all(part.isidentifier() for part in spec.split(".")):
+            raise InvalidInput(f"--app {app!r} is not a module name: {_APP_FORMS} "
+                               "or a file under it (myapp/jobs.py)")
+        return spec
+    path = Path(spec)
+    if path.is_dir() and (path / "__init__.py").is_file():
+        path = path / "__init__.py"
+    if not path.is_file() or path.suffix != ".py":
+        guess = spec.removesuffix(".py").strip("/").replace("/", ".")
+        named = all(p.isidentifier() for p in guess.split("."))
+        hint = f"; for a module write --app {guess}" if named else ""
+        raise InvalidInput(f"--app {app}: no such Python file{hint} ({_APP_FORMS})")
+    path = path.resolve()
+    parts = [] if path.stem == "__init__" else [path.stem]
+    root = path.parent
+    while (root / "__init__.py").is_file() and root.parent != root:
+        parts.insert(0, root.name)
+        root = root.parent
+    bad = [p for p in parts if not p.isidentifier()]
+    if not parts or bad:
+        raise InvalidInput(f"--app {app}: {(bad or [path.stem])[0]!r} cannot be a module name "
+                           f"(rename it to letters, digits and _; {_APP_FORMS})")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return ".".join(parts)
+
+
+def _import_failure(module: str, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing and (module == missing or module.startswith(missing + ".")):
+        # the app itself is not found, not something it imports
+        return (f"cannot import the app {module}: {first or 'not found'} ({_APP_FORMS}; "
+                f"the current directory is {Path.cwd()})")
+    frame = _app_frame(exc)
+    where = f" ({_shown(frame.filename)}:{frame.lineno})" if frame else ""
+    label = first if isinstance(exc, (ImportError, TenantqError)) else f"{type(exc).__name__}: {first}"
+    return f"cannot import the app {module}: {label.rstrip(': ')}{where}"
+
+
+def _app_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the app's own code (not the import machinery,
+    tenantq, the standard library or installed packages), else the innermost
+    real file."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith("<")]
+    paths = sysconfig.get_paths()
+    skip = {str(Path(__file__).resolve().parent),
+            *(os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if k in paths)}
+
+    def app_code(f: traceback.FrameSummary) -> bool:
+        real = os.path.realpath(f.filename)
+        installed = {"site-packages", "dist-packages"} & set(Path(real).parts)
+        return not installed and not any(real.startswith(d + os.sep) for d in skip)
+
+    own = [f for f in frames if app_code(f)]
+    return (own or frames or [None])[-1]
+
+
+def _shown(filename: str) -> str:
+    """A path relative to the current directory when it is under it."""
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return filename
 
 
 def _name(func: Callable[..., Any]) -> str:

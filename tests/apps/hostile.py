@@ -122,3 +122,22 @@ def kill_sandbox(payload: Any, ctx: tenantq.JobContext) -> None:
     blocks = []
     while True:
         blocks.append(b"x" * (64 << 20))
+
+
+COUNTS = {"n": 0}
+
+
+@tenantq.handler("box.count_shared", timeout=10, memory_mb=128, process="batch")
+def count_shared(payload: Any, ctx: tenantq.JobContext) -> dict[str, int]:
+    """process="batch": consecutive jobs of this kind share one process."""
+    COUNTS["n"] += 1
+    if payload.get("crash"):
+        os._exit(9)
+    return {"n": COUNTS["n"], "pid": os.getpid()}
+
+
+@tenantq.handler("box.count_fresh", timeout=10, memory_mb=128)
+def count_fresh(payload: Any, ctx: tenantq.JobContext) -> dict[str, int]:
+    """The default: every job a fresh process."""
+    COUNTS["n"] += 1
+    return {"n": COUNTS["n"], "pid": os.getpid()}

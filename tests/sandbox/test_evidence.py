@@ -151,12 +151,35 @@ def test_tenant_python_runs_in_the_sandbox(driver_name: str, cli: Cli, queue: Qu
 
 
 def test_tenant_python_is_refused_inline(cli: Cli, queue: Queue, data_dir: Path) -> None:
+    """An inline worker does not take a sandbox-only kind at all: the job
+    waits, untouched, for a sandboxed worker."""
     job_id = queue.enqueue(TENANT, "tenantq.python",
                            {"source": "def transform(x):\n    return sum(x)", "input": [1, 2, 3]})
     res = cli.run(*worker_args(HOSTILE_APP, "inline", "--once"), timeout=WORKER_TIMEOUT)
     assert res.returncode == 0, res.stderr[-3000:]
     info = queue.job(job_id)
-    assert info.status == "dead", info
-    assert info.attempts == 1, "refusing is not worth a retry"
-    assert "only in a sandbox" in (info.last_error or ""), info.last_error
-    assert info.result is None
+    assert (info.status, info.attempts, info.last_error, info.result) == ("pending", 0, None, None), info
+
+
+def test_process_batch_shares_a_process_between_consecutive_jobs_of_its_kind(
+        driver: SandboxDriver, db: Database, queue: Queue) -> None:
+    plan = [("box.count_shared", {}), ("box.count_shared", {}), ("box.count_shared", {"crash": True}),
+            ("box.count_shared", {}), ("box.count_fresh", {}), ("box.count_fresh", {}),
+            ("box.count_shared", {})]
+    ids = queue.enqueue_many([JobSpec(tenant=TENANT, kind=k, payload=p) for k, p in plan])
+    first = FirstBatchOnly(SandboxExecutor(driver, REGISTRY, HOSTILE_APP))
+    worker = Worker(db, first, WorkerConfig(concurrency=1, batch_size=10, once=True, lease_seconds=30,
+                                            backoff=Backoff(base_seconds=0.0, cap_seconds=0.0)))
+    first.worker = worker
+    worker.run()
+    rows = [queue.job(job_id) for job_id in ids]
+    results = [r.result for r in rows]
+    # shared: the counter goes on within one process
+    assert [results[0]["n"], results[1]["n"]] == [1, 2] and results[0]["pid"] == results[1]["pid"], results
+    # its process crashed: that job fails alone, the next one gets a fresh process
+    assert rows[2].status == "pending" and (rows[2].last_error or "").startswith("crashed"), rows[2]
+    assert results[3]["n"] == 1 and results[3]["pid"] != results[0]["pid"], results
+    # the default kind: a fresh process for every job
+    assert [results[4]["n"], results[5]["n"]] == [1, 1] and results[4]["pid"] != results[5]["pid"], results
+    # another kind came in between: a fresh process again
+    assert results[6]["n"] == 1, results

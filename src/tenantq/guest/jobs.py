@@ -21,10 +21,18 @@ import traceback
 from types import FrameType
 from typing import Any
 
-from tenantq.guest.protocol import MAX_JSON_DEPTH, MAX_RESULT_BYTES, encode, json_depth, write_all
+from tenantq.guest.protocol import (
+    MAX_JSON_DEPTH,
+    MAX_RESULT_BYTES,
+    FrameFile,
+    encode,
+    json_depth,
+    write_all,
+)
 
 TRACEBACK_LINES = 12
 RESULT_FD = 3
+COMMAND_FD = 4  # further jobs, for a handler with process="batch"
 WORK_DIR = "/tenantq/work"
 
 
@@ -108,8 +116,11 @@ def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, 
         return {"ok": False, "reason": "exception", "error": describe(exc)}
 
 
-def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int | None) -> None:
-    """The job process's whole life: never returns."""
+def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int | None,
+             command_fd: int | None = None) -> None:
+    """The job process's whole life: never returns. With `command_fd` (a
+    handler with process="batch") it then runs the further jobs of its kind
+    that the supervisor sends on that pipe, one result frame each, until EOF."""
     me = os.getpid()
     code = 0
     try:
@@ -119,11 +130,19 @@ def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int
         scratch.clean()
         reseed()
         os.chdir(WORK_DIR)
-        outcome = run_job(tenant, job, env)
-        if os.getpid() != me:
-            # a process the handler forked got here: it must never report
-            os._exit(1)
-        write_all(RESULT_FD, encode(_storable(outcome)))
+        commands = FrameFile(command_fd) if command_fd is not None else None
+        while True:
+            outcome = run_job(tenant, job, env)
+            if os.getpid() != me:
+                # a process the handler forked got here: it must never report
+                os._exit(1)
+            write_all(RESULT_FD, encode(_storable(outcome)))
+            if commands is None:
+                break
+            following = commands.read()
+            if following is None:
+                break
+            job = following
     except BaseException:
         code = 70
     finally:

@@ -17,6 +17,7 @@ import os
 import select
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tenantq.guest import jobs
@@ -28,6 +29,7 @@ from tenantq.guest.protocol import (
     FrameError,
     FrameFile,
     encode,
+    parse_header,
     write_all,
 )
 
@@ -94,8 +96,41 @@ def _signal_text(number: int) -> str:
     return f"killed by signal {number} ({name})"
 
 
+@dataclass
+class JobProcess:
+    """A job's process and the supervisor's ends of its pipes."""
+
+    kind: str
+    pid: int
+    result_r: int
+    out_r: int
+    command_w: int  # -1 unless the handler has process="batch"
+    exited: bool = False
+
+
+def _wanted(result: bytearray) -> int:
+    """Bytes that complete the result frame (the header first): a job's
+    bytes beyond its one frame are never read into this job's result."""
+    if len(result) < HEADER_BYTES:
+        return HEADER_BYTES - len(result)
+    try:
+        return max(1, HEADER_BYTES + parse_header(bytes(result[:HEADER_BYTES])) - len(result))
+    except FrameError:
+        return READ_CHUNK  # broken: read on, the frame check reports it
+
+
+def _complete(result: bytearray) -> bool:
+    if len(result) < HEADER_BYTES:
+        return False
+    try:
+        return len(result) >= HEADER_BYTES + parse_header(bytes(result[:HEADER_BYTES]))
+    except FrameError:
+        return False
+
+
 class Supervisor:
     def __init__(self, stdin: FrameFile, command: dict[str, Any], wake_r: int) -> None:
+        self.shared: JobProcess | None = None
         self.stdin = stdin
         self.tenant = str(command.get("tenant", ""))
         self.job_uid = command.get("job_uid")
@@ -131,40 +166,75 @@ class Supervisor:
             say({"status": "job_end", "seq": command.get("seq"), **outcome})
 
     def run(self, job: dict[str, Any], env: dict[str, str]) -> dict[str, Any] | None:
-        """One job in a fresh process; its outcome, or None when the host is gone."""
+        """One job in a fresh process (or, for a handler with process="batch",
+        in the process the previous job of its kind ran in); its outcome, or
+        None when the host is gone."""
         from tenantq.registry import REGISTRY
 
-        handler = REGISTRY.get(str(job.get("kind")))
+        kind = str(job.get("kind"))
+        handler = REGISTRY.get(kind)
         timeout = handler.timeout if handler is not None else DEFAULT_TIMEOUT
+        shared = handler is not None and handler.process == "batch"
+        if self.shared is not None and (not shared or self.shared.kind != kind):
+            self.retire_shared()
+        if self.shared is not None:
+            try:
+                write_all(self.shared.command_w, encode(job))
+            except OSError:
+                self.retire_shared()
+        if self.shared is None:
+            self.shared = self._start(job, env, kind, shared)
+        current = self.shared
+        outcome = self._follow(current.pid, current.result_r, current.out_r, timeout)
+        reusable = outcome is not None and outcome.pop("reusable", True)
+        if not (shared and reusable and not current.exited):
+            self.retire_shared()  # per job, or after a failure of its process
+        return outcome
+
+    def _start(self, job: dict[str, Any], env: dict[str, str], kind: str, shared: bool) -> JobProcess:
         result_r, result_w = os.pipe()
         out_r, out_w = os.pipe()
+        command_r, command_w = os.pipe() if shared else (-1, -1)
         pid = os.fork()
         if pid == 0:
-            self._become_job(result_w, out_w)
-            jobs.job_main(self.tenant, job, env, self.job_uid)
-        os.close(result_w)
-        os.close(out_w)
-        try:
-            return self._follow(pid, result_r, out_r, timeout)
-        finally:
-            os.close(result_r)
-            os.close(out_r)
-            kill_others()
+            fd = self._become_job(result_w, out_w, command_r if shared else None)
+            jobs.job_main(self.tenant, job, env, self.job_uid, fd)
+        for fd in (result_w, out_w, command_r):
+            if fd >= 0:
+                os.close(fd)
+        return JobProcess(kind, pid, result_r, out_r, command_w)
 
-    def _become_job(self, result_w: int, out_w: int) -> None:
-        """In the forked child: keep only /dev/null, the output pipe and the
-        result pipe; never the control channel (rule C1)."""
+    def retire_shared(self) -> None:
+        """End the job process and everything it left (rule C2)."""
+        current, self.shared = self.shared, None
+        if current is not None:
+            for fd in (current.result_r, current.out_r, current.command_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        kill_others()
+
+    def _become_job(self, result_w: int, out_w: int, command_r: int | None) -> int | None:
+        """In the forked child: keep only /dev/null, the output pipe, the
+        result pipe (and for process="batch" a pipe of further jobs); never
+        the control channel (rule C1)."""
+        import fcntl
+
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)
-        os.dup2(out_w, 1)
-        os.dup2(out_w, 2)
-        os.dup2(result_w, jobs.RESULT_FD)
-        os.closerange(jobs.RESULT_FD + 1, 65536)
+        targets = {0: os.open(os.devnull, os.O_RDWR), 1: out_w, 2: out_w, jobs.RESULT_FD: result_w}
+        if command_r is not None:
+            targets[jobs.COMMAND_FD] = command_r
+        # first out of the way (above every target), then into place
+        high = {target: fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for target, fd in targets.items()}
+        for target, fd in high.items():
+            os.dup2(fd, target)
+        os.closerange(max(targets) + 1, 65536)
+        return jobs.COMMAND_FD if command_r is not None else None
 
     def _follow(self, pid: int, result_r: int, out_r: int, timeout: float) -> dict[str, Any] | None:
+        """Wait for the job's one result frame (or its end); bounded reads."""
         result = bytearray()
         tail = bytearray()
         printed = 0
@@ -173,12 +243,13 @@ class Supervisor:
         status: int | None = None
         overflow = timed_out = False
         open_fds = {result_r, out_r}
-        while True:
-            if status is None:
-                status = self._reap(pid)
+        while not _complete(result):
+            status = self._reap(pid)
             if status is not None:
                 # the job is gone: whatever it (or a leftover child) still
                 # writes is not waited for
+                assert self.shared is not None
+                self.shared.exited = True
                 self._drain(result_r, result, limit, out_r, tail)
                 break
             remaining = deadline - time.monotonic()
@@ -192,7 +263,7 @@ class Supervisor:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
             if result_r in readable:
-                chunk = os.read(result_r, READ_CHUNK)
+                chunk = os.read(result_r, min(READ_CHUNK, _wanted(result)))
                 if not chunk:
                     open_fds.discard(result_r)
                 result += chunk
@@ -205,9 +276,9 @@ class Supervisor:
                     open_fds.discard(out_r)
                 printed += len(chunk)
                 tail = (tail + chunk)[-OUTPUT_TAIL_BYTES:]
-        if status is None:
-            kill_others()
         outcome = self._outcome(bytes(result), status, overflow, timed_out, timeout)
+        if not _complete(result) or status is not None:
+            outcome["reusable"] = False
         if tail and not outcome.get("ok"):
             text = tail.decode("utf-8", "replace")
             note = f"\n--- output ({printed} bytes; last {len(tail)}) ---\n{text}"
