@@ -70,13 +70,19 @@ def first_job_seconds(executor: SandboxExecutor, seq: int) -> float:
     return done[0]
 
 
+# end to end, also: kept warm with a handler that lets consecutive jobs of
+# its kind in a batch share one process (process="batch": no fork per job)
+SHARED = "kept-warm, process=batch"
+
+
 def end_to_end(driver: SandboxDriver, mode: str, batch_size: int, jobs: int) -> float:
     # a fresh executor per run: nothing kept warm from before (the template,
     # on disk, is shared); the worker closes it when it is done
-    executor = SandboxExecutor(driver, REGISTRY, APP, policy=MODES[mode])
+    kind = "warmbench.sleep10_shared" if mode == SHARED else "warmbench.sleep10"
+    executor = SandboxExecutor(driver, REGISTRY, APP, policy=MODES["kept-warm" if mode == SHARED else mode])
     with scratch_schema("warm") as db:
         q = Queue(db.dsn, schema=db.schema)
-        ids = q.enqueue_many([JobSpec(f"t{i % 4}", "warmbench.sleep10", {}) for i in range(jobs)])
+        ids = q.enqueue_many([JobSpec(f"t{i % 4}", kind, {}) for i in range(jobs)])
         worker = Worker(db, executor, WorkerConfig(concurrency=2, batch_size=batch_size, once=True))
         t0 = time.perf_counter()
         stats = worker.run()
@@ -124,7 +130,7 @@ def run(*, n: int = 20, jobs_per_size: dict[int, int] | None = None) -> dict[str
                         samples[mode].append(first_job_seconds(ex, i + 1))
                 ttfj[name] = samples
                 rates[name] = {mode: {size: end_to_end(driver, mode, size, jobs)
-                                      for size, jobs in sizes.items()} for mode in executors}
+                                      for size, jobs in sizes.items()} for mode in [*executors, SHARED]}
             finally:
                 for ex in executors.values():
                     ex.close()

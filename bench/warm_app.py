@@ -44,3 +44,9 @@ def sleep10(payload: Any, ctx: tenantq.JobContext) -> int:
     template = MODULES["jinja2"].Template("{{ n }}")
     time.sleep(0.01)
     return int(template.render(n=len(MODULES)))
+
+
+@tenantq.handler("warmbench.sleep10_shared", timeout=10, memory_mb=256, process="batch")
+def sleep10_shared(payload: Any, ctx: tenantq.JobContext) -> int:
+    """The same, with process="batch": jobs of a batch share one process."""
+    return sleep10(payload, ctx)
