@@ -63,9 +63,15 @@ def _address_space() -> int:
 
 def drop_privileges(uid: int | None) -> None:
     """Become the job's uid (gVisor: the supervisor is the sandbox's root);
-    every capability goes with the uid change."""
+    every capability goes with the uid change. First a System V / POSIX
+    message-queue namespace of the job's own (CAP_SYS_ADMIN, held by the
+    supervisor for this): whatever IPC objects the job makes die with its
+    process (rule P1; gVisor cannot enumerate them to remove them)."""
     if uid is None or os.getuid() == uid:
         return
+    from tenantq.guest.scratch import new_ipc_namespace
+
+    new_ipc_namespace()
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from typing import Any
 
 WORK_DIR = "/tenantq/work"
@@ -35,10 +34,76 @@ def _empty(directory: str, keep: set[str]) -> None:
             _empty(path, keep)  # a directory on the way to a mount point
             continue
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(directory, name)
         else:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def remove_tree(parent: str, name: str) -> None:
+    """Remove parent/name however the job built it: any depth (one open
+    descriptor at a time and names relative to it: no recursion, no path
+    length limit) and any mode (each directory is made 0700 first; the
+    job's uid owns what the job made). Nothing else runs as this uid while
+    it works, so walking back up through ".." cannot be raced."""
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    stack = [name]  # stack[-1]: the child of fd being emptied
+    stuck: set[int] = set()  # inodes of directories that cannot be removed
+    try:
+        while stack:
+            child = stack[-1]
+            with contextlib.suppress(OSError):
+                os.chmod(child, 0o700, dir_fd=fd)
+            try:
+                inner = os.open(child, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.unlink(child, dir_fd=fd)
+                stack.pop()
+                if stack:
+                    fd = _up(fd)
+                continue
+            sub = _empty_files_and_find_a_dir(inner, stuck)
+            if sub is not None:
+                os.close(fd)
+                fd = inner
+                stack.append(sub)
+                continue
+            inode = os.fstat(inner).st_ino
+            os.close(inner)
+            try:
+                os.rmdir(child, dir_fd=fd)
+            except OSError:
+                stuck.add(inode)  # e.g. holds a file of another uid: leave it
+            stack.pop()
+            if stack:
+                fd = _up(fd)
+    finally:
+        os.close(fd)
+
+
+def _up(fd: int) -> int:
+    parent = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    return parent
+
+
+def _empty_files_and_find_a_dir(fd: int, stuck: set[int]) -> str | None:
+    """Unlink every non-directory in fd; the name of one directory left to
+    empty, if any."""
+    found: str | None = None
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if found is None and entry.inode() not in stuck:
+                    found = entry.name
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.name, dir_fd=fd)
+    return found
 
 
 def _libc() -> Any:
@@ -52,6 +117,11 @@ def _libc() -> Any:
 
 # loaded once in the warm parent (which imports this module at boot), not per job
 _LIBC = _libc()
+
+
+def new_ipc_namespace() -> bool:
+    """unshare(CLONE_NEWIPC): False where not permitted."""
+    return _LIBC is not None and _LIBC.unshare(0x08000000) == 0
 
 
 def _remove_ipc() -> None:

@@ -10,7 +10,7 @@ backstop. The container's init is `timeout -s KILL <ttl>`, so the sandbox
 dies at its deadline even if the dispatcher that started it is gone.
 
 The guest runner (`supervisor=True`) is the one process that runs as the
-sandbox's root, with only CAP_SETUID, CAP_SETGID and CAP_KILL: it holds the
+sandbox's root, with only the capabilities SUPERVISOR_CAPS lists: it holds the
 control channel, and every job runs as uid 65534, which cannot signal it,
 read its memory or reopen its fds (gVisor does not apply dumpability to
 /proc/PID/fd; a second uid does: docs/security.md, rule C1).
@@ -47,7 +47,10 @@ from tenantq.sandbox.layout import (
 )
 from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, SnapshotFailed
 
-SUPERVISOR_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL"]
+# SETUID/SETGID: to become the job's uid; KILL: to end what a job leaves;
+# SYS_ADMIN: to give each job process an IPC namespace of its own (rule P1).
+# A job drops them all with its uid change (guest/jobs.py).
+SUPERVISOR_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_SYS_ADMIN"]
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 

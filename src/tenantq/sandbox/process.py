@@ -112,12 +112,17 @@ class ProcessSandbox(HostSandbox):
                 "--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             args += ["--symlink", f"usr/{link}", f"/{link}"]
+        # --mqueue: POSIX message queues show up there, so the guest can empty them (rule P1)
         args += ["--ro-bind", str(self.skeleton / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
+                 "--mqueue", "/dev/mqueue",
                  "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         for m in spec.mounts:
             args += ["--ro-bind", m.source, m.target]
+        # --remount-ro /: bwrap's root is a tmpfs of its own, writable, outside
+        # any quota and never emptied between batches; read-only, as under gVisor
         args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
-                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR, "--chdir", GUEST_WORK_DIR, "--clearenv"]
+                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR, "--remount-ro", "/",
+                 "--chdir", GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
         init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
