@@ -182,6 +182,24 @@ def test_a_code_change_makes_a_new_template_and_the_old_one_is_collected(
 
 
 @needs_runsc
+def test_nothing_a_job_does_removes_the_template(data_dir: Path, harness: Callable[..., Harness]) -> None:
+    """Rule S1: a template goes only when a restored sandbox dies before it was
+    handed a job. A job that kills its batch, crashes or ends its own process
+    without a word in a restored sandbox changes nothing about the template."""
+    h = harness(GVisorDriver(data_dir), WarmPolicy())
+    h.result("warm.state")
+    (template,) = h.executor.store.templates()
+    for kind in ("box.kill_sandbox", "box.segfault", "box.spin"):
+        (ended,) = h.run(kind)
+        assert not ended.ok, ended
+    again = h.result("warm.state")
+    assert again["warmups"] == 1, again
+    assert [o for _, o in h.origins] == ["template"] * 5, h.origins
+    assert [t.key for t in h.executor.store.templates()] == [template.key]
+    assert h.executor.warm.snapshots, "snapshots were turned off by what a job did"
+
+
+@needs_runsc
 def test_checkpoint_failure_falls_back_to_cold_starts_and_says_so(
         tmp_path: Path, data_dir: Path, harness: Callable[..., Harness],
         caplog: pytest.LogCaptureFixture) -> None:
