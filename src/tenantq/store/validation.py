@@ -219,7 +219,9 @@ def new_job(
     key: object = None,
 ) -> tuple[NewJob, str]:
     """Validate one job; returns it with its payload already serialised."""
-    payload = payload_object(payload)
+    payload = {} if payload is None else payload
+    text = payload_json(payload)  # what could not be stored at all, first
+    payload_object(payload)
     job = NewJob(
         tenant_id=tenant_id(tenant),
         kind=kind(kind_),
@@ -229,4 +231,4 @@ def new_job(
         delay=delay(delay_),
         key=idempotency_key(key),
     )
-    return job, payload_json(payload)
+    return job, text
