@@ -4,16 +4,12 @@ with one line on stderr and changes nothing."""
 from __future__ import annotations
 
 import json
-import logging
-import os
-import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from types import FrameType
 from typing import Any, TypeVar
 
 import click
+from pydantic import ValidationError
 
 from tenantq import __version__
 from tenantq.errors import InvalidInput, TenantqError
@@ -184,9 +180,40 @@ def dashboard(host: str, port: int, token: str | None) -> None:
     configure_logs(None)  # so the URL line (and any warning) is shown
     if token is not None and not token:
         raise InvalidInput("--token must not be empty")
+    _check_listen(host, port)
     with _queue() as q:
-        serve(q, host=host, port=port, token=token,
-              metrics_app=asgi_app(q.db, top_tenants=Settings().metrics_top_tenants))
+        try:
+            serve(q, host=host, port=port, token=token,
+                  metrics_app=asgi_app(q.db, top_tenants=Settings().metrics_top_tenants))
+        except SystemExit as exc:
+            # uvicorn exits (status 3) when it cannot bind: the port was taken after the check
+            if exc.code in (0, None):
+                raise
+            raise TenantqError(f"the dashboard could not listen on {host}:{port} "
+                               "(in use? pick another with --port)") from None
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind HOST:PORT the way uvicorn will (SO_REUSEADDR, every address HOST
+    resolves to) and let go, so a port in use is one line, not a traceback."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidInput(f"--host {host}: cannot resolve it ({exc.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                shown = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+                if exc.errno == errno.EADDRINUSE:
+                    raise InvalidInput(f"port {port} is already in use on {shown} (another dashboard?): "
+                                       "stop it or pick another with --port") from None
+                raise InvalidInput(f"cannot listen on {shown}: {exc.strerror or exc}") from None
 
 
 @cli.command()
@@ -217,122 +244,20 @@ def db_url() -> None:
 def db_stop() -> None:
     """Stop the embedded Postgres if it runs."""
     from tenantq.settings import Settings
+    from tenantq.store.db import quiet_embedded_logs
     from tenantq.store.embedded import stop_embedded
 
-    stopped = stop_embedded(Settings().data_dir)
+    data_dir = Settings().data_dir
+    quiet_embedded_logs(data_dir)
+    stopped = stop_embedded(data_dir)
     click.echo("stopped the embedded Postgres" if stopped else "the embedded Postgres is not running")
-
-
-@cli.command()
-@click.option("--app", "app", required=True, help="Module that registers the handlers.")
-@click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
-              default="auto", show_default=True,
-              help="Where batches run; kinds registered isolation='inline' always run in-process.")
-@click.option("--secrets", "secrets_file", default=None,
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="JSON or TOML: tenant -> {NAME: value}; each tenant's sandboxes get only theirs.")
-@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, 10000), default=10, show_default=True)
-@click.option("--lease-seconds", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True)
-@click.option("--poll-seconds", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
-              help="Polling fallback when no NOTIFY arrives.")
-@click.option("--backoff-base", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
-              help="Retry backoff base in seconds (full jitter, doubling per attempt).")
-@click.option("--backoff-cap", type=click.FloatRange(0, 86400), default=600.0, show_default=True)
-@click.option("--fair-by", type=click.Choice(["jobs", "runtime"]), default="jobs", show_default=True,
-              help="DRR cost: one unit per job, or measured run seconds.")
-@click.option("--quantum-seconds", type=click.FloatRange(0.001, 3600), default=1.0, show_default=True,
-              help="With --fair-by runtime: credit per turn and unit of weight.")
-@click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
-              help="Share of slots reserved for interactive work (lent out when unused).")
-@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-              help="Serve Prometheus /metrics on 127.0.0.1:PORT.")
-@click.option("--on-dead", default=None, help="Command run with each dead job as JSON on stdin.")
-@click.option("--on-dead-url", default=None, help="URL each dead job is POSTed to as JSON.")
-@click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
-              help="Default: text with a live progress line on a terminal, JSON lines otherwise.")
-@click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
-@click.option("--snapshots", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
-              help="Restore sandboxes from the app's warm template where the driver can (gvisor).")
-@click.option("--keep-warm", type=click.FloatRange(0, 86400), default=0.0, show_default=True,
-              help="Keep a tenant's sandbox this many idle seconds for its next batch (0: never).")
-@click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
-@click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
-              help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
-@click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
-              help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
-def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
-           lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
-           quantum_seconds: float, interactive_share: float, metrics_port: int | None,
-           on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
-           snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
-           hibernate_after: float | None, work_mb: int) -> None:
-    """Run jobs: lease batches fairly, run them, settle every job."""
-    from tenantq.cli_sandbox import make_executor
-    from tenantq.dispatch.outcome import Backoff
-    from tenantq.dispatch.worker import Worker, WorkerConfig
-    from tenantq.fairness.drr import Mode
-    from tenantq.observe.alerts import DeadLetterAlerts
-    from tenantq.observe.logs import ProgressLine
-    from tenantq.observe.logs import configure as configure_logs
-    from tenantq.observe.metrics import serve_worker_metrics
-    from tenantq.sandbox.warm import WarmPolicy
-    from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
-    from tenantq.settings import Settings
-
-    chosen_format = configure_logs(log_format)
-    secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
-    policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
-                        max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
-                        max_idle=concurrency)
-    executor = make_executor(app, sandbox, policy, secrets, work_mb=work_mb)
-    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
-                          poll_seconds=poll_seconds, once=once,
-                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
-                          fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
-                          interactive_share=interactive_share)
-    with _queue() as q:
-        db_ = q.db
-    w = Worker(db_, executor, config, secrets=secrets.for_tenant,
-               alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
-    if metrics_port is not None:
-        serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
-    _install_signal_handlers(w.stop)
-    if chosen_format == "text" and sys.stderr.isatty():
-        ProgressLine(lambda: _progress(w), w.stopping).start()
-    stats = w.run()
-    click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
-    if w.failed:
-        # the worker stopped itself because it could not carry on: non-zero exit, one line saying why
-        raise TenantqError(f"worker stopped: {w.failure or 'it could not carry on; see the log above'}")
-
-
-def _progress(w: Any) -> str:
-    s = w.stats.snapshot()
-    return (f"tenantq worker [{w.executor.name}] batches {s['batches']} · done {s['done']} · "
-            f"retried {s['retried']} · dead {s['dead']} · released {s['released']} · "
-            f"running {len(w.leases.live())}")
-
-
-def _install_signal_handlers(stop: Callable[[], None]) -> None:
-    received = {"count": 0}
-
-    def handle(signum: int, frame: FrameType | None) -> None:
-        received["count"] += 1
-        if received["count"] > 1:
-            # second signal: leave now; unfinished leases expire and are reaped
-            os._exit(128 + signum)
-        logging.getLogger("tenantq.worker").info(
-            "received %s: finishing running jobs, releasing the rest", signal.Signals(signum).name)
-        stop()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
 
 
 def _add_subcommands() -> None:
     from tenantq.cli_sandbox import template
+    from tenantq.cli_worker import worker
 
+    cli.add_command(worker)
     cli.add_command(template)
 
 
@@ -354,6 +279,20 @@ def main() -> None:
     except TenantqError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(1)
+    except ValidationError as exc:  # a TENANTQ_* variable that does not parse
+        click.echo(f"error: {_setting_error(exc)}", err=True)
+        sys.exit(2)
+
+
+def _setting_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return str(exc).strip().splitlines()[0]
+    loc = [str(part) for part in errors[0]["loc"]]
+    name = loc[0].upper() if loc else "SETTING"
+    name = name if name.startswith("TENANTQ_") else f"TENANTQ_{name}"
+    message = (str(errors[0]["msg"]).strip().splitlines() or ["invalid"])[0]
+    return f"{name}: {message}"
 
 
 if __name__ == "__main__":

@@ -7,38 +7,49 @@ import json
 import logging
 import time
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import click
 
 from tenantq.errors import InvalidInput
-from tenantq.sandbox.executor import BatchExecutor
-from tenantq.sandbox.snapshots import SnapshotStore
-from tenantq.sandbox.warm import WarmPolicy
-from tenantq.secrets import SecretsProvider
+
+if TYPE_CHECKING:  # imported where used: `tenantq --help` or `status` need none of them
+    from tenantq.sandbox.executor import BatchExecutor
+    from tenantq.sandbox.snapshots import SnapshotStore
+    from tenantq.sandbox.warm import WarmPolicy
+    from tenantq.secrets import SecretsProvider
 
 SNAPSHOT_DRIVERS = ("gvisor",)
+
+APP_HELP = ("Module that registers the handlers: a dotted module importable from the current directory "
+            "(put on sys.path) or PYTHONPATH, e.g. myapp.jobs for ./myapp/jobs.py; a file path or "
+            "module:attr is accepted too.")
 
 
 def make_executor(app: str, sandbox: str, policy: WarmPolicy,
                   secrets: SecretsProvider | None = None, *, work_mb: int = 128) -> BatchExecutor:
-    """The executor `tenantq worker --app APP --sandbox NAME` runs batches on."""
+    """The executor `tenantq worker --app APP --sandbox NAME` runs batches on.
+
+    APP is imported here (see `load_app` for the forms it takes), so a broken
+    or empty app fails before anything connects or starts."""
     from tenantq.registry import REGISTRY, load_app
     from tenantq.sandbox.batch import SandboxExecutor
     from tenantq.sandbox.driver import get_driver
     from tenantq.sandbox.inline import InlineExecutor
     from tenantq.settings import Settings
 
-    load_app(app)
+    module = load_app(app)
     log = logging.getLogger("tenantq.worker")
     if sandbox == "inline":
         log.warning("--sandbox inline: every kind runs inside this process; use it for trusted code only")
         return InlineExecutor(REGISTRY)
     driver, chosen = get_driver(sandbox, Settings().data_dir)
     log.info("%s", chosen)
-    return SandboxExecutor(driver, REGISTRY, app, policy=policy, secrets=secrets, work_mb=work_mb)
+    return SandboxExecutor(driver, REGISTRY, module, policy=policy, secrets=secrets, work_mb=work_mb)
 
 
 def _stores() -> list[SnapshotStore]:
+    from tenantq.sandbox.snapshots import SnapshotStore
     from tenantq.settings import Settings
 
     return [SnapshotStore(Settings().data_dir, name) for name in SNAPSHOT_DRIVERS]
@@ -54,11 +65,12 @@ def template() -> None:
 
 
 @template.command("build")
-@click.option("--app", "app", required=True, help="Module that registers the handlers.")
+@click.option("--app", "app", required=True, metavar="MODULE", help=APP_HELP)
 @click.option("--sandbox", type=click.Choice(["auto", "gvisor"]), default="auto", show_default=True)
 def template_build(app: str, sandbox: str) -> None:
     """Build the app's template now (workers otherwise build it on first use)."""
     from tenantq.sandbox.batch import SandboxExecutor
+    from tenantq.sandbox.warm import WarmPolicy
 
     executor = make_executor(app, "gvisor" if sandbox == "auto" else sandbox, WarmPolicy())
     assert isinstance(executor, SandboxExecutor)
@@ -99,14 +111,15 @@ def template_list(as_json: bool) -> None:
     if not rows:
         click.echo("no templates")
         return
-    from rich.console import Console
-    from rich.table import Table
+    from tenantq.render import console
+    from tenantq.render import table as make_table
 
-    table = Table("kind", "key", "app / tenant", "driver", "created (UTC)", "last used", "MB")
+    table = make_table("kind", "key", "app / tenant", "driver", "created (UTC)", "last used", "MB",
+                       right=("MB",))
     for r in rows:
         table.add_row(str(r["kind"]), str(r["key"]), str(r["app"] or r["tenant"]), str(r["driver"]),
                       str(r["created"]), str(r["last_used"]), f"{r['size_mb']:.1f}")
-    Console().print(table)
+    console.print(table)
 
 
 @template.command("rm")

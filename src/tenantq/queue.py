@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -121,7 +122,8 @@ class Queue:
 
     # -- inspecting ------------------------------------------------------
     def job(self, job_id: int) -> JobInfo:
-        """Status, attempts, last error, result (and more) of one job."""
+        """Status, attempts, last error, result, the attempt history (and
+        more) of one job; for a pending one, why it waits."""
         from tenantq.fairness.explain import why_waiting
 
         with self._conn() as conn:
@@ -145,6 +147,23 @@ class Queue:
     def running_batches(self) -> list[dict[str, Any]]:
         with self._conn() as conn:
             return conn.execute(sql("batches", "live")).fetchall()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The live workers: id, host, pid, the kinds each claims (None: every
+        kind), sandbox driver, started and heartbeat times, and its executor's
+        failures in a row with the last error."""
+        from tenantq.store import workers
+
+        with self._conn() as conn:
+            return workers.live(conn)
+
+    def prune(self, *, older_than_seconds: float, limit: int = 1000) -> int:
+        """Delete finished jobs (done, dead, cancelled) older than this, with
+        their attempt history; at most `limit` per call. Returns how many."""
+        if not (math.isfinite(older_than_seconds) and older_than_seconds >= 0):
+            raise InvalidInput(f"older-than must be 0 seconds or more, got {older_than_seconds}")
+        with self._conn() as conn:
+            return jobs.prune_jobs(conn, keep_seconds=older_than_seconds, limit=max(1, limit))
 
     def dead_jobs(self, tenant: str | None = None, *, limit: int = 100) -> list[dict[str, Any]]:
         if tenant is not None:

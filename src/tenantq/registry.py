@@ -206,27 +206,33 @@ def load_app(app: str) -> str:
     return module
 
 
-_APP_FORMS = "--app takes a dotted module importable from the current directory or PYTHONPATH (myapp.jobs)"
+_APP_FORMS = ("--app takes a dotted module importable from the current directory or PYTHONPATH, "
+              "e.g. myapp.jobs, or the path of a .py file")
 
 
 def _app_module(app: str) -> str:
     """`myapp.jobs`, `myapp.jobs:attr`, `myapp/jobs.py` or `myapp/` -> the module to import."""
     spec = app.strip().split(":", 1)[0]  # module:attr -> the module
     if not spec:
-        raise InvalidInput(f"--app {app!r} names no module: {_APP_FORMS}")
+        raise InvalidInput(f"--app {app!r} names no module ({_APP_FORMS})")
     if "/" not in spec and os.sep not in spec and not spec.endswith(".py"):
         if not all(part.isidentifier() for part in spec.split(".")):
-            raise InvalidInput(f"--app {app!r} is not a module name: {_APP_FORMS} "
-                               "or a file under it (myapp/jobs.py)")
+            raise InvalidInput(f"--app {app!r} is not a module name ({_APP_FORMS})")
         return spec
     path = Path(spec)
     if path.is_dir() and (path / "__init__.py").is_file():
         path = path / "__init__.py"
+    elif path.suffix != ".py" and path.with_name(path.name + ".py").is_file():
+        path = path.with_name(path.name + ".py")  # myapp/jobs
     if not path.is_file() or path.suffix != ".py":
+        # myapp.jobs.py: the module myapp.jobs, written as a file name
         guess = spec.removesuffix(".py").strip("/").replace("/", ".")
-        named = all(p.isidentifier() for p in guess.split("."))
-        hint = f"; for a module write --app {guess}" if named else ""
-        raise InvalidInput(f"--app {app}: no such Python file{hint} ({_APP_FORMS})")
+        parts = guess.split(".")
+        exists = all(p.isidentifier() for p in parts) and (
+            Path(*parts).with_suffix(".py").is_file() or (Path(*parts) / "__init__.py").is_file())
+        if exists:
+            return guess
+        raise InvalidInput(f"--app {app}: no such file ({_APP_FORMS})")
     path = path.resolve()
     parts = [] if path.stem == "__init__" else [path.stem]
     root = path.parent
@@ -271,7 +277,8 @@ def _app_frame(exc: BaseException) -> traceback.FrameSummary | None:
         return not installed and not any(real.startswith(d + os.sep) for d in skip)
 
     own = [f for f in frames if app_code(f)]
-    return (own or frames or [None])[-1]
+    chosen = own or frames
+    return chosen[-1] if chosen else None
 
 
 def _shown(filename: str) -> str:

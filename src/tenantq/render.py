@@ -1,8 +1,13 @@
-"""Terminal rendering for the CLI (rich tables); `--json` bypasses this."""
+"""Terminal rendering for the CLI (rich tables); `--json` bypasses this.
+
+No cell is ever cut short: on a terminal, cells wrap to its width; piped or
+redirected, a table is as wide as its content (rich would assume 80
+columns and write 'pendi…')."""
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -10,7 +15,25 @@ from rich.table import Table
 
 from tenantq.store.model import JobInfo
 
-console = Console()
+# piped output: wide enough that no table is squeezed (tables only take the
+# width their content needs)
+PIPE_WIDTH = 10_000
+
+
+def make_console() -> Console:
+    return Console() if sys.stdout.isatty() else Console(width=PIPE_WIDTH)
+
+
+console = make_console()
+
+
+def table(*columns: str, title: str | None = None, right: tuple[str, ...] = (),
+          show_header: bool = True) -> Table:
+    """A table whose cells wrap (fold) instead of being cut with '…'."""
+    out = Table(title=title, show_header=show_header)
+    for col in columns:
+        out.add_column(col, justify="right" if col in right else "left", overflow="fold")
+    return out
 
 
 def _age(seconds: Any) -> str:
@@ -26,28 +49,22 @@ def _age(seconds: Any) -> str:
 
 def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
                   batches: list[dict[str, Any]]) -> None:
-    queues = Table(title="Queues (tenant x priority class)")
-    for col in ("tenant", "class", "pending", "runnable", "running", "done", "dead", "cancelled",
-                "oldest pending"):
-        queues.add_column(col, justify="left" if col in ("tenant", "class") else "right")
+    counts = ("pending", "runnable", "running", "done", "dead", "cancelled", "oldest pending")
+    queues = table("tenant", "class", *counts, title="Queues (tenant x priority class)", right=counts)
     for r in rows:
         queues.add_row(r["tenant_id"], r["priority"], str(r["pending"]), str(r["runnable"]),
                        str(r["running"]), str(r["done"]), str(r["dead"]), str(r["cancelled"]),
                        _age(r["oldest_pending_seconds"]))
     console.print(queues)
-    fair = Table(title="Tenants")
-    for col in ("tenant", "weight", "max sandboxes", "running batches", "deficit", "egress"):
-        fair.add_column(col, justify="left" if col in ("tenant", "egress") else "right",
-                        overflow="fold" if col == "egress" else "ellipsis")
+    numbers = ("weight", "max sandboxes", "running batches", "deficit")
+    fair = table("tenant", *numbers, "egress", title="Tenants", right=numbers)
     for t in tenants:
         cap = "-" if t["max_sandboxes"] is None else str(t["max_sandboxes"])
         fair.add_row(t["tenant_id"], str(t["weight"]), cap, str(t["live_batches"]),
                      f"{float(t['deficit']):.1f}", ", ".join(t.get("egress") or []) or "none")
     console.print(fair)
     if batches:
-        live = Table(title="Running batches")
-        for col in ("batch", "tenant", "class", "driver", "jobs", "age", "worker"):
-            live.add_column(col)
+        live = table("batch", "tenant", "class", "driver", "jobs", "age", "worker", title="Running batches")
         for b in batches:
             live.add_row(str(b["batch_id"]), b["tenant_id"], b["priority"], b["sandbox_driver"],
                          str(b["job_count"]), _age(b["age_seconds"]), b["worker_id"])
@@ -55,42 +72,49 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
 
 
 def job_panel(info: JobInfo) -> None:
-    table = Table(show_header=False, title=f"Job {info.id}")
-    table.add_column(style="bold")
-    table.add_column()
-    table.add_row("tenant", info.tenant_id)
-    table.add_row("kind", info.kind)
-    table.add_row("priority", info.priority)
-    table.add_row("status", info.status)
-    table.add_row("attempts", f"{info.attempts} of {info.max_attempts}")
-    table.add_row("run after", str(info.run_after))
-    table.add_row("created", str(info.created_at))
+    panel = Table(show_header=False, title=f"Job {info.id}")
+    panel.add_column(style="bold", overflow="fold")
+    panel.add_column(overflow="fold")
+    panel.add_row("tenant", info.tenant_id)
+    panel.add_row("kind", info.kind)
+    panel.add_row("priority", info.priority)
+    panel.add_row("status", info.status)
+    panel.add_row("attempts", f"{info.attempts} of {info.max_attempts}")
+    panel.add_row("run after", str(info.run_after))
+    panel.add_row("created", str(info.created_at))
     if info.finished_at:
-        table.add_row("finished", str(info.finished_at))
+        panel.add_row("finished", str(info.finished_at))
     if info.lease_owner:
-        table.add_row("lease", f"batch {info.batch_id} held by {info.lease_owner} "
+        panel.add_row("lease", f"batch {info.batch_id} held by {info.lease_owner} "
                                f"until {info.lease_expires_at}")
-    table.add_row("payload", _preview(info.payload))
+    panel.add_row("payload", _preview(info.payload))
     if info.result is not None:
-        table.add_row("result", _preview(info.result))
+        panel.add_row("result", _preview(info.result))
+    if info.outcome_note:
+        panel.add_row("outcome", info.outcome_note)
     if info.last_error:
-        table.add_row("last error", info.last_error)
+        panel.add_row("last error", info.last_error)
+    for attempt in info.attempts_history:
+        # one line per attempt, oldest first: when, where, how it ended
+        error = (attempt.get("error") or "").splitlines()[0][:120] if attempt.get("error") else ""
+        where = f"{attempt.get('worker_id') or '?'} ({attempt.get('driver') or '?'})"
+        panel.add_row(f"attempt {attempt.get('attempt')}",
+                      f"{attempt.get('outcome')} {attempt.get('started_at')} -> {attempt.get('finished_at')} "
+                      f"on {where}" + (f": {error}" if error else ""))
     for blocked in info.egress_blocked:
-        table.add_row("egress blocked", f"{blocked['reason']} (batch {blocked['batch_id']})")
+        panel.add_row("egress blocked", f"{blocked['reason']} (batch {blocked['batch_id']})")
     for reason in info.why_waiting:
-        table.add_row("waiting", reason)
-    console.print(table)
+        panel.add_row("waiting", reason)
+    console.print(panel)
 
 
 def dead_table(rows: list[dict[str, Any]]) -> None:
-    table = Table(title=f"Dead jobs ({len(rows)})")
-    for col in ("id", "tenant", "kind", "attempts", "died", "last error"):
-        table.add_column(col)
+    dead = table("id", "tenant", "kind", "attempts", "died", "last error", title=f"Dead jobs ({len(rows)})")
     for r in rows:
         error = (r["last_error"] or "").splitlines()[0][:100] if r["last_error"] else ""
-        table.add_row(str(r["id"]), r["tenant_id"], r["kind"], f"{r['attempts']}/{r['max_attempts']}",
+        dead.add_row(str(r["id"]), r["tenant_id"], r["kind"], f"{r['attempts']}/{r['max_attempts']}",
                       str(r["finished_at"])[:19], error)
-    console.print(table)
+    console.print(dead)
 
 
 def _preview(value: Any, limit: int = 400) -> str:

@@ -67,8 +67,9 @@ def _done(job_id: int, result: Any = None) -> Settlement:
 
 def test_claim_leases_up_to_batch_size_jobs_of_one_tenant(queue: Queue, db: Database, conn: Conn,
                                                           t0: datetime) -> None:
-    a = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop", "payload": i} for i in range(5)], now=t0)
-    b = queue.enqueue_many([{"tenant": "globex", "kind": "demo.noop", "payload": i} for i in range(5)],
+    a = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop", "payload": {"i": i}} for i in range(5)],
+                           now=t0)
+    b = queue.enqueue_many([{"tenant": "globex", "kind": "demo.noop", "payload": {"i": i}} for i in range(5)],
                            now=t0)
     batch = _claim(conn, at(t0, 1), batch_size=3)
 
@@ -260,6 +261,11 @@ def test_retry_dead_resets_attempts_and_makes_the_job_claimable(queue: Queue, db
     row = _rows(db, [job_id])[0]
     assert (row["status"], row["attempts"], row["finished_at"]) == ("pending", 0, None)
     assert row["last_error"] is not None, "the last error stays for the record"
+    # the history is kept: the replay is counted, the attempts before it stay
+    info = queue.job(job_id)
+    assert info.replays == 1
+    assert [(a["attempt"], a["replay"], a["outcome"], a["error"]) for a in info.attempts_history] == [
+        (1, 0, "failed", "boom 1"), (2, 0, "failed", "boom 2")]
     assert _rows(db, [other])[0]["status"] == "dead", "only the named job is replayed"
     assert queue.retry_dead([job_id]) == [], "it is no longer dead"
 
@@ -288,6 +294,15 @@ def test_heartbeat_extends_a_live_lease_and_never_revives_an_expired_one(queue: 
     lease = _batch_row(db, batch.batch_id)
     assert lease["lease_expires_at"] == at(t0, 20 + LEASE) and lease["outcome"] == "lease_expired"
     assert jobs.heartbeat(conn, [], lease_seconds=LEASE) == set()
+
+
+def test_a_batch_its_slot_just_ended_is_not_reported_lost(queue: Queue, conn: Conn, t0: datetime) -> None:
+    """The slot ends its batch, then the heartbeat (working from an older
+    snapshot of the worker's leases) sees it: finished, not lost."""
+    queue.enqueue("acme", "demo.noop", now=t0)
+    batch = _claim(conn, t0)
+    jobs.settle(conn, batch.batch_id, [], end_outcome="ok", now=at(t0, 1))
+    assert jobs.heartbeat(conn, [batch.batch_id], lease_seconds=LEASE, now=at(t0, 2)) == {batch.batch_id}
 
 
 def test_failed_job_backs_off_then_goes_dead_with_the_last_error(queue: Queue, db: Database, conn: Conn,

@@ -106,7 +106,8 @@ def test_idempotency_key_returns_the_existing_id_per_tenant(queue: Queue, db: Da
     assert new_ids == sorted(new_ids)
     assert scalar(db, "SELECT count(*) FROM jobs") == 6
     payloads = {r["id"]: r["payload"] for r in fetch_all(db, "SELECT id, payload FROM jobs")}
-    assert [payloads[i] for i in ids] == [{"n": 1}, {"v": 1}, {"n": 3}, {"n": 4}, {"n": 3}, {"v": 3}, {"n": 7}]
+    assert [payloads[i] for i in ids] == [{"n": 1}, {"v": 1}, {"n": 3}, {"n": 4}, {"n": 3}, {"v": 3},
+                                          {"n": 7}]
 
 
 def test_repeating_a_whole_keyed_batch_inserts_nothing(queue: Queue, db: Database) -> None:

@@ -62,6 +62,16 @@ def _describe(db: Database) -> dict[str, Any]:
         "SELECT tablename FROM pg_tables WHERE schemaname = %(schema)s ORDER BY tablename",
         params,
     )
+    functions = fetch_all(
+        db,
+        """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid) AS arguments,
+               pg_get_functiondef(p.oid) AS definition
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = %(schema)s ORDER BY p.proname, arguments
+        """,
+        params,
+    )
     scheduler = fetch_all(db, "SELECT * FROM scheduler ORDER BY priority")
     migrations = fetch_all(db, "SELECT version, name FROM migrations ORDER BY version")
     return {
@@ -69,6 +79,7 @@ def _describe(db: Database) -> dict[str, Any]:
         "columns": columns,
         "constraints": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in constraints],
         "indexes": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in indexes],
+        "functions": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in functions],
         "scheduler": scheduler,
         "migrations": migrations,
     }
@@ -95,8 +106,9 @@ def test_migrations_replay_to_exactly_schema_sql(fresh_schema: Database, other_s
 
     replayed, installed = _describe(fresh_schema), _describe(other_schema)
     assert replayed["tables"], "migrations created no tables"
+    assert [f["proname"] for f in replayed["functions"]] == ["queue_kinds"]
     # compare part by part so a failure names what drifted
-    for part in ("tables", "columns", "constraints", "indexes", "scheduler", "migrations"):
+    for part in ("tables", "columns", "constraints", "indexes", "functions", "scheduler", "migrations"):
         assert replayed[part] == installed[part], f"{part} differ between migrations and schema.sql"
     assert [r["version"] for r in installed["migrations"]] == [v for v, _, _ in migration_files()]
     assert {r["priority"] for r in installed["scheduler"]} == {"interactive", "default", "bulk"}

@@ -34,7 +34,7 @@ NO_BACKOFF = Backoff(base_seconds=0.0, cap_seconds=0.0)
 
 def _config(**overrides: Any) -> WorkerConfig:
     settings: dict[str, Any] = {"concurrency": 1, "batch_size": 10, "lease_seconds": 30, "poll_seconds": 0.1,
-                                "backoff": NO_BACKOFF}
+                                "backoff": NO_BACKOFF, "failure_backoff_seconds": 0.05}
     settings.update(overrides)
     return WorkerConfig(**settings)
 
@@ -207,7 +207,7 @@ def test_an_executor_exception_fails_its_batch_and_the_worker_keeps_serving(
 ) -> None:
     poison = queue.enqueue("poison", "fake.job", {"raise": raised}, max_attempts=1)
     behind = queue.enqueue("poison", "fake.job", {})
-    before = queue.enqueue("poison", "fake.job", {"raise_before": raised}, priority="bulk")
+    before = queue.enqueue("poison", "fake.job", {"raise_before": raised}, priority="bulk", max_attempts=3)
     executor = ScriptedExecutor()
     worker = Worker(db, executor, _config(concurrency=2))  # type: ignore[arg-type]
     with running(worker) as (thread,):
@@ -216,13 +216,17 @@ def test_an_executor_exception_fails_its_batch_and_the_worker_keeps_serving(
         others = [queue.enqueue(f"t{i}", "fake.job", {}) for i in range(4)]
         wait_until(lambda: all(_job(db, j)["status"] == "done" for j in others), timeout=15,
                    message="other tenants' jobs")
-        wait_until(lambda: len([b for b in executor.batches if b[0] == "poison"]) >= 4, timeout=15,
-                   message="the job that fails before it starts, tried again after a backoff")
+        wait_until(lambda: _job(db, before)["status"] == "dead", timeout=15,
+                   message="the job the executor fails before it starts, dead after its attempts")
         assert thread.thread.is_alive() and not worker.failed
     dead = _job(db, poison)
     assert dead["last_error"].startswith(f"executor error: the batch's runner failed ({raised}"), dead
-    # it never started: released each time, no attempt used
-    assert (_job(db, before)["status"], _job(db, before)["attempts"]) == ("pending", 0)
+    # the executor failed before it started: the first job of the batch is
+    # failed with that error, its attempt counted, so it is not a release loop
+    first = _job(db, before)
+    assert first["attempts"] == 3, first
+    assert first["last_error"].startswith(
+        f"executor error before the batch's first job started: {raised}"), first
     assert scalar(db, "SELECT count(*) FROM batches WHERE outcome = 'failed'") >= 2
     assert scalar(db, "SELECT count(*) FROM batches WHERE ended_at IS NULL") == 0
 

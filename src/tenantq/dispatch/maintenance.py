@@ -1,4 +1,5 @@
-"""Per-worker background duties: heartbeat its leases, reap expired ones.
+"""Per-worker background duties: heartbeat its leases and its row in the
+registry of live workers, reap expired leases.
 
 Every running worker reaps every expired lease (not only its own), so no
 user cron is needed and a killed dispatcher's jobs come back within one
@@ -11,14 +12,17 @@ import logging
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from tenantq.store import jobs
+from tenantq.store import jobs, workers
 from tenantq.store.db import Pool
 from tenantq.store.queries import sql
+
+if TYPE_CHECKING:
+    from tenantq.dispatch.presence import Presence
 
 log = logging.getLogger("tenantq.maintenance")
 
@@ -69,6 +73,8 @@ class Maintenance(threading.Thread):
         on_reaped: Callable[[list[dict[str, Any]]], None] | None = None,
         on_interactive: Callable[[], None] | None = None,
         reap_sandboxes: Callable[[], list[str]] | None = None,
+        presence: Presence | None = None,
+        kinds: Iterable[str] | None = None,
     ) -> None:
         super().__init__(name="tenantq-maintenance", daemon=True)
         self.pool = pool
@@ -78,6 +84,9 @@ class Maintenance(threading.Thread):
         self.on_reaped = on_reaped
         self.on_interactive = on_interactive
         self.reap_sandboxes = reap_sandboxes
+        self.presence = presence
+        # interactive work of these kinds recalls lent slots (None: any)
+        self.kinds = None if kinds is None else sorted(kinds)
         self._last_sandbox_reap = 0.0
         # heartbeat three times per lease so one missed beat loses nothing
         self.interval = max(0.05, lease_seconds / 3)
@@ -100,9 +109,11 @@ class Maintenance(threading.Thread):
                 if lost:
                     log.warning("lost leases %s: their results will be refused", sorted(lost))
                     self.leases.mark_lost(lost)
+            if self.presence is not None:
+                self.presence.beat(conn)
             if self.on_interactive is not None:
                 # polling fallback for the NOTIFY that recalls lent slots
-                row = conn.execute(sql("queues", "interactive_runnable")).fetchone()
+                row = conn.execute(sql("queues", "interactive_runnable"), {"kinds": self.kinds}).fetchone()
                 if row is not None and row["waiting"]:
                     self.on_interactive()
             reaped = jobs.expire_leases(conn)
@@ -128,3 +139,4 @@ class Maintenance(threading.Thread):
                 self._last_prune = now
                 conn.execute(sql("batches", "prune"), {"keep_seconds": KEEP_ENDED_BATCHES_SECONDS,
                                                        "now": None})
+                workers.prune(conn)

@@ -170,6 +170,21 @@ class BatchRun:
         for job_id in sorted(self.started - self.ended):
             self.report(JobEnded(job_id, ok=False, error=error))
 
+    def started_runnable(self) -> bool:
+        """Did any job the executor got start (undecodable ones do not count)?"""
+        return bool(self.started - self.undecodable)
+
+    def fail_first(self, error: str) -> None:
+        """The executor failed before any job of the batch started (a warmup,
+        a sandbox that could not start): the batch's first job fails with
+        that error, its attempt counted, so the failure shows on a job and
+        ends in dead instead of a release loop; finish() releases the rest."""
+        for job in self.batch.jobs:
+            if job.id not in self.undecodable and job.id not in self.started:
+                self.report(JobStarted(job.id))
+                self.report(JobEnded(job.id, ok=False, error=error))
+                return
+
     def finish(self, outcome: str) -> None:
         unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
         # a job that started and never reported an end (the runner died on it)

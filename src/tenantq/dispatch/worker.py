@@ -6,94 +6,64 @@ come (flushed at most every `flush_seconds` and at the end). A maintenance
 thread heartbeats the leases and reaps expired ones; a listener thread turns
 NOTIFY into wake-ups.
 
+A worker claims only the kinds its executor can run (`kinds()`, or its
+registry's; see dispatch/presence.py), so several services with different
+apps share one database, and it says so in the registry of live workers
+(its kinds, driver, heartbeat and executor failures), which `tenantq job`
+and the dashboard read. A worker whose app registers nothing it can run
+refuses to start.
+
 Stopping is graceful: a slot finishes the job it is running, releases the
 batch's unstarted jobs (attempts refunded) and ends its lease.
 
 A worker never dies from a batch (docs/security.md, rule H6): whatever a claim, an executor or the
 settle bookkeeping (dispatch/settle.py) raises is contained in its slot. It
 is logged once, with the batch id, the batch's jobs are settled or released
-with the reason, and the slot carries on after a backoff. Only a worker
-that cannot carry on stops by itself (`failed`, `failure`; `tenantq worker`
-then exits non-zero with that one line): `max_failures` claims, or batches,
-failing in a row with no success in between, a slot thread dying, or, with
-`once`, a claim failing ONCE_CLAIM_ATTEMPTS times.
+with the reason, and the slot carries on after a backoff. An executor that
+raises before any job of its batch started (a failing warmup, a sandbox
+that cannot start) fails the batch's first job with that error, attempt
+counted, and releases the rest: a failure, never a release loop; an
+executor that returns having started nothing is an executor failure too.
+Only a worker that cannot carry on stops by itself (`failed`, `failure`;
+`tenantq worker` then exits non-zero with that one line): `max_failures`
+claims, or batches, failing in a row with no success in between, a slot
+thread dying, or, with `once`, a claim failing ONCE_CLAIM_ATTEMPTS times,
+ONCE_EXECUTOR_FAILURES executor failures in a row, or a drain that ends
+while the executor's last batch failed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
+from tenantq.dispatch.config import WorkerConfig, WorkerStats, default_worker_id
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance
-from tenantq.dispatch.outcome import Backoff, first_line
+from tenantq.dispatch.outcome import first_line
+from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
 from tenantq.dispatch.settle import BatchRun, is_transient
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.fairness import ClaimRequest, claim_next
-from tenantq.fairness.drr import Mode
-from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE, class_order, is_lent, reserved_slots
+from tenantq.fairness.slots import class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
 from tenantq.sandbox.executor import BatchExecutor
+from tenantq.sandbox.inline import describe_exception
 from tenantq.store.db import Database, Pool
 from tenantq.store.model import Batch
 from tenantq.store.queries import sql
+from tenantq.store.workers import WorkerRecord
 
 log = logging.getLogger("tenantq.worker")
 ONCE_CLAIM_ATTEMPTS = 5
+# with `once`, executor failures in a row after which the drain gives up
+ONCE_EXECUTOR_FAILURES = 3
 
-__all__ = ["BatchRun", "Worker", "WorkerConfig", "WorkerStats"]
-
-
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    concurrency: int = 4
-    batch_size: int = 10
-    lease_seconds: float = 30.0
-    poll_seconds: float = 1.0
-    flush_seconds: float = 1.0
-    once: bool = False
-    backoff: Backoff = field(default_factory=Backoff)
-    fair_by: Mode = Mode.JOBS
-    quantum_seconds: float = 1.0
-    interactive_share: float = DEFAULT_INTERACTIVE_SHARE
-    worker_id: str = field(default_factory=default_worker_id)
-    # unexpected failures in a row (claims, or batches), with no success in
-    # between, after which the worker stops and reports failure
-    max_failures: int = 10
-
-
-@dataclass
-class WorkerStats:
-    batches: int = 0
-    done: int = 0
-    retried: int = 0
-    dead: int = 0
-    released: int = 0
-    refused: int = 0
-    reaped: int = 0
-    recalled: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+__all__ = ["BatchRun", "Worker", "WorkerConfig", "WorkerStats", "default_worker_id"]
 
 
 SecretsLookup = Callable[[str], Mapping[str, str]]
@@ -129,6 +99,12 @@ class Worker:
         self.interactive_waiting = threading.Event()
         self.reserved = reserved_slots(self.config.concurrency, self.config.interactive_share)
         self._pool: Pool | None = None
+        # the kinds it claims (None: every kind, for an executor that does not say)
+        self.kinds = executor_kinds(executor)
+        require_kinds(self.kinds, executor)
+        self.presence = Presence(WorkerRecord.of(self.config.worker_id, executor.name,
+                                                 self.config.lease_seconds, self.kinds))
+        self._last_executor_error = ""
 
     # -- lifecycle -----------------------------------------------------
     def run(self) -> WorkerStats:
@@ -136,12 +112,13 @@ class Worker:
         cfg = self.config
         self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id, check=False)
         listener = Listener(self.db, self.wakeup, self.stopping,
-                            on_interactive=self.interactive_waiting.set)
+                            on_interactive=self._interactive_notified)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
                                   stopping=self.stopping,
                                   on_reaped=self._reaped,
                                   on_interactive=self.interactive_waiting.set,
-                                  reap_sandboxes=_driver_reaper(self.executor))
+                                  reap_sandboxes=_driver_reaper(self.executor),
+                                  presence=self.presence, kinds=self.kinds)
         slots = [threading.Thread(target=self._slot_thread, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
                  for i in range(cfg.concurrency)]
         try:
@@ -159,11 +136,17 @@ class Worker:
             for slot in slots:
                 slot.start()
             self.started.set()
-            log.info("worker %s started: executor=%s concurrency=%d batch_size=%d",
-                     cfg.worker_id, self.executor.name, cfg.concurrency, cfg.batch_size)
+            shown = "every kind" if self.kinds is None else ", ".join(sorted(self.kinds))
+            log.info("worker %s started: executor=%s concurrency=%d batch_size=%d kinds=%s",
+                     cfg.worker_id, self.executor.name, cfg.concurrency, cfg.batch_size, shown)
             for slot in slots:
                 while slot.is_alive():
                     slot.join(timeout=0.5)
+            if cfg.once and self.presence.failures:
+                # the drain ended while its failed jobs wait out their backoff:
+                # the executor is broken, the queue is not empty
+                self._fail(f"the executor failed on its last {self.presence.failures} batch(es) "
+                           f"(last: {self._last_executor_error})")
         finally:
             self.stopping.set()
             self.wakeup.fire()
@@ -171,6 +154,7 @@ class Worker:
                 maintenance.join()
             if listener.is_alive():
                 listener.join()
+            self.presence.leave(self._pool)
             self._pool.close()
             close = getattr(self.executor, "close", None)
             if callable(close):
@@ -188,6 +172,21 @@ class Worker:
                 metrics.DEAD_LETTERED.labels(r["priority"]).inc()
                 self.alerts.fire(DeadJob(int(r["id"]), str(r["tenant_id"]), str(r["kind"]),
                                          int(r["attempts"]), str(r["last_error"])))
+
+    def _interactive_notified(self) -> None:
+        """NOTIFY says interactive work arrived: recall lent slots, unless
+        none of it is of a kind this worker runs (another app's work)."""
+        pool = self._pool
+        if self.kinds is not None and pool is not None:
+            try:
+                with pool.connection() as conn:
+                    row = conn.execute(sql("queues", "interactive_runnable"),
+                                       {"kinds": sorted(self.kinds)}).fetchone()
+                if row is not None and not row["waiting"]:
+                    return
+            except Exception:  # cannot tell: recall, as without kinds
+                log.debug("interactive check failed; recalling lent slots", exc_info=True)
+        self.interactive_waiting.set()
 
     def stop(self) -> None:
         """Graceful stop: finish running jobs, release the rest, end leases."""
@@ -257,7 +256,11 @@ class Worker:
             # its jobs are failed or released; do not spin on them
             batch_failures += 1
             self._failed("batches", f"batch {batch.batch_id}: {failure}")
-            self.stopping.wait(min(0.5 * 2**batch_failures, 30.0))
+            streak = self.presence.failures
+            if self.config.once and streak >= ONCE_EXECUTOR_FAILURES:
+                self._fail(f"the executor failed {streak} batches in a row (last: {failure})")
+                return
+            self.stopping.wait(min(self.config.failure_backoff_seconds * 2**batch_failures, 30.0))
 
     def _claim_failed(self, exc: Exception, failures: int) -> bool:
         """A claim raised: back off and say whether the slot carries on.
@@ -281,11 +284,13 @@ class Worker:
     def _claim(self) -> Batch | None:
         assert self._pool is not None
         cfg = self.config
+        kinds = None if self.kinds is None else tuple(sorted(self.kinds))
         request = ClaimRequest(worker_id=cfg.worker_id, driver=self.executor.name,
                                batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds,
-                               fair_by=cfg.fair_by, quantum_seconds=cfg.quantum_seconds)
+                               fair_by=cfg.fair_by, quantum_seconds=cfg.quantum_seconds, kinds=kinds)
         with self._pool.connection() as conn:
-            rows = conn.execute(sql("queues", "classes_with_work"), {"now": None}).fetchall()
+            rows = conn.execute(sql("queues", "classes_with_work"),
+                                {"now": None, "kinds": None if kinds is None else list(kinds)}).fetchall()
             with_work = {str(r["priority"]) for r in rows}
             if "interactive" not in with_work:
                 self.interactive_waiting.clear()
@@ -313,26 +318,37 @@ class Worker:
 
     def _run_batch(self, batch: Batch, *, lent: bool = False) -> str | None:
         """Run and settle one batch. Returns None, or what went wrong when it
-        could not run normally (the executor or the bookkeeping raised): its
-        running job is then failed with the reason and the rest released."""
+        could not run normally (the executor or the bookkeeping raised, or
+        the executor started nothing): the job it was running is failed with
+        the reason (none had started: the batch's first job, attempt
+        counted), the rest released."""
         run = BatchRun(self, batch)
         self.stats.add(batches=1)
         failure: str | None = None
+        executor_error: str | None = None
+        before_any_job = False
+        stopped = _Seen(lambda: self._should_stop(batch, lent))
         try:
             run.fail_undecodable()
             runnable = run.runnable()
             if runnable.jobs:
-                self.executor.run(
-                    runnable,
-                    env=self.secrets(batch.tenant_id),
-                    report=run.report,
-                    should_stop=lambda: self._should_stop(batch, lent),
-                )
+                self.executor.run(runnable, env=self.secrets(batch.tenant_id), report=run.report,
+                                  should_stop=stopped)
+                if not run.started_runnable() and not stopped.seen:
+                    failure = executor_error = "the executor returned without starting any job of its batch"
+                    log.error("batch %d: %s; releasing its jobs", batch.batch_id, failure)
         except BaseException as exc:  # even SystemExit from a handler: a batch never ends a slot
-            failure = _describe(exc)
-            log.error("batch %d failed: %s; failing its running job, releasing the rest", batch.batch_id,
-                      failure, exc_info=True)
+            failure, executor_error = _describe(exc), describe_exception(exc)
+            log.error("batch %d failed: %s; failing its running (or first) job, releasing the rest",
+                      batch.batch_id, failure, exc_info=True)
+            before_any_job = not run.started_runnable()
         try:
+            if before_any_job:
+                # a warmup or a sandbox that failed before any job started:
+                # the first job carries the error and its attempt, so a broken
+                # executor fails jobs (with backoff, up to dead) instead of
+                # releasing them into a loop
+                run.fail_first(f"executor error before the batch's first job started: {executor_error}")
             if failure is not None:
                 run.fail_running(f"executor error: the batch's runner failed ({failure})")
             run.finish("ok" if failure is None else "failed")
@@ -342,10 +358,29 @@ class Worker:
             run.abandon(f"the worker could not settle this batch: {_describe(exc)}")
         finally:
             self.leases.remove(batch.batch_id)
+        assert self._pool is not None
+        if executor_error is not None:
+            self._last_executor_error = failure or executor_error
+            self.presence.executor_failed(self._pool, executor_error)
+        elif run.started_runnable():
+            self.presence.executor_ok(self._pool)
         if self.executor.name == "inline" or failure is not None:
             # sandboxed executors count their own outcomes, by how the sandbox ended
             metrics.BATCH_OUTCOMES.labels(self.executor.name, "ok" if failure is None else "failed").inc()
         return failure
+
+
+class _Seen:
+    """should_stop() for the executor, remembering whether it ever said stop."""
+
+    def __init__(self, should_stop: Callable[[], bool]) -> None:
+        self.should_stop = should_stop
+        self.seen = False
+
+    def __call__(self) -> bool:
+        if self.should_stop():
+            self.seen = True
+        return self.seen
 
 
 def _describe(exc: BaseException) -> str:

@@ -3,22 +3,35 @@ most decisive first."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
+from tenantq.store import workers as worker_registry
 from tenantq.store.db import Conn
 from tenantq.store.model import JobInfo
 from tenantq.store.queries import sql
+
+# how many workers' names a sentence lists before "and N more"
+NAMED_WORKERS = 3
+ERROR_CHARS = 300
 
 
 def why_waiting(conn: Conn, job: JobInfo) -> list[str]:
     row = conn.execute(sql("explain", "job"), {"id": job.id}).fetchone()
     if row is None:
         return []
-    return reasons(job, row)
+    return reasons(job, row, worker_registry.live(conn))
 
 
-def reasons(job: JobInfo, row: dict[str, Any]) -> list[str]:
+def reasons(job: JobInfo, row: dict[str, Any], workers: Sequence[dict[str, Any]] | None = None) -> list[str]:
+    """`workers`: the live workers (workers.sql `live`); None leaves the
+    workers out of the answer (the registry was not read)."""
     out: list[str] = []
+    serving: list[dict[str, Any]] = []
+    if workers is not None:
+        serving = [w for w in workers if worker_registry.serves(w, job.kind)]
+        out.extend(_worker_reasons(job, workers, serving))
     future = float(row["future_seconds"] or 0)
     if future > 0:
         why = "retry backoff after a failed attempt" if job.attempts else "it was enqueued with a delay"
@@ -40,6 +53,48 @@ def reasons(job: JobInfo, row: dict[str, Any]) -> list[str]:
                    f"(weight {row['weight']}, deficit {deficit:.1f})")
     if not out:
         busy = int(row["running_batches"])
-        out.append(f"runnable now: waiting for a free worker slot ({busy} batch(es) running)"
-                   if busy else "runnable now: no worker is running batches")
+        if busy:
+            out.append(f"runnable now: waiting for a free worker slot ({busy} batch(es) running)")
+        elif workers is None:
+            out.append("runnable now: no worker is running batches")
+        else:
+            out.append(f"runnable now: {len(serving)} running worker(s) can run it; it goes with their next "
+                       "claim")
     return out
+
+
+def _worker_reasons(job: JobInfo, workers: Sequence[dict[str, Any]],
+                    serving: Sequence[dict[str, Any]]) -> list[str]:
+    """What the registry of live workers says: none runs, none has a
+    handler for this kind, or those that have one cannot run batches."""
+    if not workers:
+        return ["no worker is running (start one: tenantq worker --app MODULE)"]
+    if not serving:
+        served = sorted({k for w in workers for k in (w["kinds"] or ())})
+        shown = ", ".join(served[:10]) + (f" and {len(served) - 10} more" if len(served) > 10 else "")
+        return [f"no running worker has a handler for kind {job.kind} ({len(workers)} running worker(s) "
+                f"serve: {shown or 'nothing'})"]
+    failing = [w for w in serving if int(w["executor_failures"] or 0) > 0]
+    if not failing:
+        return []
+    out = []
+    for w in failing[:NAMED_WORKERS]:
+        out.append(f"worker {w['worker_id']} cannot run batches: its executor failed "
+                   f"{w['executor_failures']} time(s) in a row, last {_ago(w['last_executor_error_at'])}: "
+                   f"{_line(w['last_executor_error'])}")
+    if len(failing) > NAMED_WORKERS:
+        out.append(f"... and {len(failing) - NAMED_WORKERS} more worker(s) whose executor is failing")
+    return out
+
+
+def _line(text: object) -> str:
+    lines = str(text or "").strip().splitlines()
+    line = lines[0] if lines else "(no message)"
+    return line if len(line) <= ERROR_CHARS else line[: ERROR_CHARS - 1] + "…"
+
+
+def _ago(when: object) -> str:
+    if not isinstance(when, datetime):
+        return "at an unknown time"
+    seconds = max(0.0, (datetime.now(UTC) - when).total_seconds())
+    return f"{seconds:.0f}s ago"

@@ -7,6 +7,14 @@ the deficits and cursor they write commit together with the claim. The
 work per pick is bounded: at most 2 * PROBE_LIMIT candidate queues, read
 through the partial index of queues with work, whatever the backlog or the
 number of idle tenants.
+
+A worker claims only the kinds its app registers (`ClaimRequest.kinds`).
+The candidates are the queues whose kinds hint holds one of them (see
+queues.sql, "The kinds hint"), so a tenant with only other kinds of work is
+never visited by this worker: it is neither credited nor charged, and the
+round robin of the workers that can run it is untouched. A visit whose
+claim finds nothing makes that queue's hint exact (`_settle_queue_hint`),
+so the next pick does not probe it again.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class ClaimRequest:
     fair_by: drr.Mode = drr.Mode.JOBS
     # credit per visit and unit of weight, in seconds, with fair_by=runtime
     quantum_seconds: float = 1.0
+    # the kinds this worker can run, sorted; None: any kind
+    kinds: tuple[str, ...] | None = None
 
     @property
     def quantum(self) -> float:
@@ -50,8 +60,9 @@ def claim_next(
     # round trip; the claim is a second; the writes and COMMIT a third.
     with conn.pipeline(), conn.transaction():
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
+        kinds = None if request.kinds is None else list(request.kinds)
         found = conn.execute(sql("queues", "candidates"),
-                             {"priority": priority, "limit": PROBE_LIMIT, "now": now})
+                             {"priority": priority, "limit": PROBE_LIMIT, "kinds": kinds, "now": now})
         row = locked.fetchone()
         assert row is not None, "scheduler rows are created by the schema"
         cursor, turn_open = str(row["cursor_tenant"]), bool(row["turn_open"])
@@ -91,10 +102,13 @@ def claim_next(
                 worker_id=request.worker_id,
                 driver=request.driver,
                 lease_seconds=request.lease_seconds,
+                kinds=request.kinds,
                 now=now,
             )
             if batch is None:
-                _settle_queue_hint(conn, visit.tenant_id, priority)
+                # nothing runnable of our kinds: no credit kept, nothing
+                # charged, and the hint is fixed so we do not come back
+                _settle_queue_hint(conn, visit.tenant_id, priority, now)
                 continue
             # the tenant's egress rules travel with the batch to its sandbox
             batch = replace(batch, egress=egress_of[visit.tenant_id])
@@ -130,13 +144,13 @@ def _set_deficits(conn: Conn, priority: Priority, deficits: dict[str, float]) ->
     })
 
 
-def _settle_queue_hint(conn: Conn, tenant_id: str, priority: Priority) -> None:
-    """A probe found nothing runnable: fix the queue's has_work/next_run_at.
+def _settle_queue_hint(conn: Conn, tenant_id: str, priority: Priority, now: datetime | None) -> None:
+    """A probe found nothing runnable (of this worker's kinds): fix the
+    queue's has_work/next_run_at and its kinds hint.
 
     Two statements on purpose (see queues.sql): the lock first, then the
     emptiness check in a fresh snapshot that sees every enqueue that
     committed while we waited for the lock.
     """
-    params = {"tenant_id": tenant_id, "priority": priority}
-    conn.execute(sql("queues", "lock_for_clear"), params)
-    conn.execute(sql("queues", "clear_if_empty"), params)
+    conn.execute(sql("queues", "lock_for_clear"), {"tenant_id": tenant_id, "priority": priority})
+    conn.execute(sql("queues", "clear_if_empty"), {"tenant_id": tenant_id, "priority": priority, "now": now})

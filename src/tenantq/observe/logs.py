@@ -68,7 +68,9 @@ def terminal() -> Any:
 
 
 class ProgressLine(threading.Thread):
-    """Redraws one status line on the terminal every half second."""
+    """Redraws one status line on the terminal every half second. It clears
+    itself when the worker stops: the command prints the final stats once,
+    as its last line."""
 
     def __init__(self, render: Callable[[], str], stopping: threading.Event) -> None:
         super().__init__(name="tenantq-progress", daemon=True)
@@ -79,7 +81,6 @@ class ProgressLine(threading.Thread):
         from rich.live import Live
         from rich.text import Text
 
-        with Live(Text(self.render()), console=terminal(), refresh_per_second=2, transient=False) as live:
+        with Live(Text(self.render()), console=terminal(), refresh_per_second=2, transient=True) as live:
             while not self.stopping.wait(0.5):
                 live.update(Text(self.render()))
-            live.update(Text(self.render()))

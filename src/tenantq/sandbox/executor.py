@@ -4,7 +4,13 @@ An executor runs the jobs of one batch in order and reports each job's start
 and end through a callback as they happen, so the dispatcher can settle
 finished jobs even if the batch dies later. It stops starting new jobs as
 soon as `should_stop()` is true; jobs it never started are the
-dispatcher's to release.
+dispatcher's to release. If it raises before any job started (a failing
+warmup, a sandbox that cannot start), the dispatcher fails the batch's first
+job with that error (attempt counted) and releases the rest.
+
+Optional: `kinds() -> Iterable[str]`, the kinds it can run. The worker
+claims only those (an executor without `kinds()` but with a `registry`
+offers the registry's kinds; one with neither claims every kind).
 """
 
 from __future__ import annotations

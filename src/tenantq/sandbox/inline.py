@@ -15,6 +15,10 @@ from tenantq.store.model import Batch
 TRACEBACK_LINES = 12
 
 
+class WarmupFailed(RuntimeError):
+    """A warmup of the batch's kinds raised (the cause is chained)."""
+
+
 class InlineExecutor:
     name = "inline"
 
@@ -23,12 +27,28 @@ class InlineExecutor:
         self._warmed: set[str] = set()
         self._warm_lock = threading.Lock()
 
+    def kinds(self) -> list[str]:
+        """The kinds this executor can run (the worker claims only these):
+        every registered kind except those that run only in a sandbox (the
+        built-in tenantq.python among them)."""
+        runnable = []
+        for kind in self.registry.kinds():
+            handler = self.registry.get(kind)
+            if handler is not None and not handler.sandbox_only:
+                runnable.append(kind)
+        return runnable
+
     def _warm_up(self, kinds: list[str]) -> None:
-        """Run the warmups of these kinds once in this process, before their first job."""
+        """Run the warmups of these kinds once in this process, before their
+        first job. A warmup that raises fails the batch before any job
+        started: the dispatcher fails its first job with this error."""
         with self._warm_lock:
             for name in self.registry.warmups(kinds):
                 if name not in self._warmed:
-                    self.registry.resolve_warmup(name)()
+                    try:
+                        self.registry.resolve_warmup(name)()
+                    except Exception as exc:
+                        raise WarmupFailed(f"warmup {name!r} failed: {type(exc).__name__}: {exc}") from exc
                     self._warmed.add(name)
 
     def run(

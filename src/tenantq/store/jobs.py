@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -16,6 +16,7 @@ from psycopg.types.json import Jsonb, set_json_loads
 from tenantq.errors import InvalidInput, JobNotFound, LeaseLost
 from tenantq.store import validation
 from tenantq.store.db import Conn
+from tenantq.store.history import history_of, outcome_note
 from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
 from tenantq.store.queries import sql
 
@@ -120,9 +121,11 @@ def claim(
     worker_id: str,
     driver: str,
     lease_seconds: float,
+    kinds: Sequence[str] | None = None,
     now: datetime | None = None,
 ) -> Batch | None:
-    """Lease up to `limit` runnable jobs of one tenant and class.
+    """Lease up to `limit` runnable jobs of one tenant and class, of the
+    given kinds only (None: any kind).
 
     A job whose payload cannot be decoded is leased like the others, with an
     `UndecodablePayload` as its payload: the claim must not fail on one
@@ -136,6 +139,7 @@ def claim(
             "worker_id": worker_id,
             "driver": driver,
             "lease_seconds": lease_seconds,
+            "kinds": None if kinds is None else list(kinds),
             "now": now,
         },
     ).fetchall()
@@ -210,7 +214,8 @@ def settle(
                 },
             )
         if release_ids:
-            conn.execute(sql("jobs", "release_unstarted"), {"batch_id": batch_id, "ids": release_ids})
+            conn.execute(sql("jobs", "release_unstarted"),
+                         {"batch_id": batch_id, "ids": release_ids, "now": now})
         if end_outcome is not None:
             conn.execute(sql("batches", "end"), {
                 "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
@@ -248,8 +253,9 @@ def _block_time(at: object) -> float | None:
     return seconds if math.isfinite(seconds) and 0 <= seconds <= _LATEST_EPOCH else None
 
 
-def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:
-    """Mark the queues of jobs that went back to pending as having work."""
+def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]], *, now: datetime | None = None) -> None:
+    """Mark the queues of jobs that went back to pending as having work
+    (and as having work of their kinds)."""
     if not rows:
         return
     conn.execute(
@@ -258,6 +264,8 @@ def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:
             "tenant_ids": [r["tenant_id"] for r in rows],
             "priorities": [r["priority"] for r in rows],
             "run_afters": [r["run_after"] for r in rows],
+            "kinds": [r["kind"] for r in rows],
+            "now": now,
         },
     )
 
@@ -265,7 +273,8 @@ def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]]) -> None:
 def heartbeat(
     conn: Conn, batch_ids: Sequence[int], *, lease_seconds: float, now: datetime | None = None
 ) -> set[int]:
-    """Extend live leases; returns the ids that are still live."""
+    """Extend live leases; returns the ids that are not lost (still live, or
+    ended by their own slot meanwhile)."""
     if not batch_ids:
         return set()
     rows = conn.execute(
@@ -279,7 +288,7 @@ def expire_leases(conn: Conn, *, now: datetime | None = None) -> list[dict[str, 
     """Reap expired leases; returns the jobs put back (or dead-lettered)."""
     with conn.transaction():
         rows = conn.execute(sql("batches", "expire"), {"now": now}).fetchall()
-        wake_queues(conn, [r for r in rows if r["status"] == "pending"])
+        wake_queues(conn, [r for r in rows if r["status"] == "pending"], now=now)
     return rows
 
 
@@ -302,8 +311,10 @@ def get_job(conn: Conn, job_id: int) -> JobInfo:
     blocked = [{"host": r["host"], "reason": r["reason"], "blocked_at": str(r["blocked_at"]),
                 "batch_id": r["batch_id"]}
                for r in conn.execute(sql("egress", "for_job"), {"job_id": job_id}).fetchall()]
-    return JobInfo(**{k: v for k, v in row.items() if k in fields},  # type: ignore[arg-type]
-                   egress_blocked=blocked)
+    history = history_of(conn, str(row["tenant_id"]), job_id)
+    info = JobInfo(**{k: v for k, v in row.items() if k in fields},  # type: ignore[arg-type]
+                   egress_blocked=blocked, attempts_history=history)
+    return replace(info, outcome_note=outcome_note(info))
 
 
 def cancel(conn: Conn, job_id: int, *, now: datetime | None = None) -> bool:
@@ -332,7 +343,14 @@ def retry_dead(
             sql("jobs", "retry_dead"),
             {"ids": list(ids) if ids is not None else None, "tenant_id": tenant_id, "now": now},
         ).fetchall()
-        wake_queues(conn, rows)
+        wake_queues(conn, rows, now=now)
         if rows:
             conn.execute(sql("jobs", "notify"), {"channel": channel})
     return sorted(int(str(r["id"])) for r in rows)
+
+
+def prune_jobs(conn: Conn, *, keep_seconds: float, limit: int = 1000, now: datetime | None = None) -> int:
+    """Delete finished jobs older than `keep_seconds`, with their attempt
+    history; at most `limit` per call. Returns how many went."""
+    return len(conn.execute(sql("jobs", "prune"),
+                            {"keep_seconds": keep_seconds, "limit": limit, "now": now}).fetchall())

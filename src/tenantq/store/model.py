@@ -86,9 +86,26 @@ class JobInfo:
     why_waiting: list[str] = field(default_factory=list)
     # requests its sandbox's egress proxy refused while it ran (host, reason, when)
     egress_blocked: list[dict[str, Any]] = field(default_factory=list)
+    # times it was sent back from dead (`tenantq dead retry`); attempts
+    # count from 1 again after each
+    replays: int = 0
+    # every attempt that ended, oldest first: attempt, replay, started_at,
+    # finished_at, worker_id, driver, outcome (done | failed | released |
+    # lost), error, seconds (see docs/states.md)
+    attempts_history: list[dict[str, Any]] = field(default_factory=list)
+    # one line on how it ended, from the history: "succeeded on attempt 2
+    # after: <the previous attempt's error>"; None while nothing ended
+    outcome_note: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for name, value in self.__dict__.items():
-            out[name] = value.isoformat() if isinstance(value, datetime) else value
+            if name == "attempts_history":
+                # the rows' times too (payload and result are JSON already)
+                value = [{k: _iso(v) for k, v in row.items()} for row in value]
+            out[name] = _iso(value)
         return out
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value

@@ -179,6 +179,7 @@ class Dashboard:
             "tenants": tenants,
             "totals": totals,
             "batches": batches,
+            "workers": self.queue.workers(),
             "failures": self.rows("recent_failures", params),
             "dead": self.queue.dead_jobs(tenant, limit=DEAD_LIMIT),
             "dead_total": int(dead_total),

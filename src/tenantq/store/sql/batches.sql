@@ -14,13 +14,21 @@ FOR UPDATE;
 -- name: heartbeat
 -- Extend every live lease of one worker in one statement; a lease that has
 -- already expired is NOT revived (its jobs may be re-leased by now), so it is
--- missing from the result and the worker treats it as lost.
-UPDATE batches
-SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_seconds)s),
-    heartbeat_at = coalesce(%(now)s::timestamptz, now())
-WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND ended_at IS NULL
-  AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
-RETURNING batch_id;
+-- missing from the result and the worker treats it as lost. A batch its slot
+-- ended between the worker's snapshot of its leases and this statement is
+-- returned too (live = false): finished, not lost.
+WITH extended AS (
+    UPDATE batches
+    SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_seconds)s),
+        heartbeat_at = coalesce(%(now)s::timestamptz, now())
+    WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND ended_at IS NULL
+      AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
+    RETURNING batch_id
+)
+SELECT batch_id, true AS live FROM extended
+UNION ALL
+SELECT batch_id, false FROM batches
+WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND outcome IN ('ok', 'failed', 'released');
 
 -- name: end
 UPDATE batches
@@ -37,6 +45,7 @@ UPDATE batches SET charged_seconds = %(seconds)s WHERE batch_id = %(batch_id)s;
 -- job that keeps killing its dispatcher still reaches `dead`.
 -- If a settle holds the batch row, this waits for it and then rechecks the
 -- row (READ COMMITTED re-evaluation), so a just-settled job is left alone.
+-- Each job's attempt is recorded as `lost` in the same statement.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), expired AS (
@@ -44,17 +53,26 @@ WITH clock AS (
     SET ended_at = clock.now, outcome = 'lease_expired'
     FROM clock
     WHERE b.ended_at IS NULL AND b.lease_expires_at <= clock.now
-    RETURNING b.batch_id, b.worker_id
+    RETURNING b.batch_id, b.worker_id, b.sandbox_driver, b.created_at
+), reaped AS (
+    UPDATE jobs j
+    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+        batch_id = NULL,
+        run_after = clock.now,
+        last_error = 'lease expired: worker ' || e.worker_id || ' stopped heartbeating mid-batch',
+        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock.now END
+    FROM expired e, clock
+    WHERE j.batch_id = e.batch_id AND j.status = 'running'
+    RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.last_error,
+              j.replays, coalesce(j.started_at, e.created_at) AS started_at, e.worker_id, e.sandbox_driver
+), recorded AS (
+    INSERT INTO attempts (tenant_id, job_id, attempt, replay, started_at, finished_at, worker_id, driver,
+                          outcome, error)
+    SELECT r.tenant_id, r.id, greatest(r.attempts, 1), r.replays, least(r.started_at, clock.now), clock.now,
+           r.worker_id, r.sandbox_driver, 'lost', r.last_error
+    FROM reaped r, clock
 )
-UPDATE jobs j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
-    batch_id = NULL,
-    run_after = clock.now,
-    last_error = 'lease expired: worker ' || e.worker_id || ' stopped heartbeating mid-batch',
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock.now END
-FROM expired e, clock
-WHERE j.batch_id = e.batch_id AND j.status = 'running'
-RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.last_error;
+SELECT id, tenant_id, priority, status, run_after, kind, attempts, last_error FROM reaped;
 
 -- name: live_for_tenant
 SELECT count(*) AS n FROM batches

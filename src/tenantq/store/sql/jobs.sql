@@ -9,7 +9,9 @@
 -- Lock order: tenants, then queues, both in sorted order, so two bulk
 -- enqueues that touch the same tenants cannot deadlock. The queue upsert
 -- locks its row even when its WHERE makes it a no-op; that lock is what the
--- scheduler's "is this queue empty?" check waits on (see queues.sql).
+-- scheduler's "is this queue empty?" check waits on (see queues.sql). It
+-- also keeps the queue's kinds hint: kinds of jobs due now join `kinds`,
+-- delayed ones only move `kinds_due` (see queues.sql, "The kinds hint").
 --
 -- Rows are inserted in input order (ORDER BY ord), so identity values come
 -- back ascending in input order; rows skipped by an idempotency-key conflict
@@ -27,14 +29,22 @@ WITH input AS (
     SELECT DISTINCT tenant_id FROM input ORDER BY tenant_id
     ON CONFLICT (tenant_id) DO NOTHING
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
-    SELECT tenant_id, priority, true, min(clock.now + make_interval(secs => delay))
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+    SELECT tenant_id, priority, true, min(clock.now + make_interval(secs => delay)),
+           CASE WHEN count(DISTINCT kind) FILTER (WHERE delay <= 0) > 64 THEN NULL
+                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE delay <= 0), '{}') END,
+           coalesce(min(clock.now + make_interval(secs => delay)) FILTER (WHERE delay > 0), 'infinity')
     FROM input, clock
     GROUP BY tenant_id, priority
     ORDER BY tenant_id, priority
     ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
+            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
+                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
+            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
+                             ELSE excluded.kinds_due END
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
+           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 ), inserted AS (
     INSERT INTO jobs (tenant_id, kind, payload, priority, max_attempts, run_after, idempotency_key, created_at)
     SELECT i.tenant_id, i.kind, i.payload, i.priority, i.max_attempts,
@@ -78,6 +88,10 @@ SELECT pg_notify(%(channel)s, '');
 -- The payload comes back as text: jobs.py decodes it itself, so a stored
 -- payload Python cannot decode (nested too deeply) fails that one job
 -- instead of aborting the claim in the driver's jsonb loader.
+-- %(kinds)s: the kinds the worker's app registers (NULL: any). It filters
+-- rows read from jobs_runnable, so the scan stays on that index and in its
+-- order; the pick only offers queues whose kinds hint matches, so the rows
+-- it walks past are the tenant's older runnable jobs of other kinds.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), picked AS MATERIALIZED (
@@ -87,6 +101,7 @@ WITH clock AS (
       AND j.priority = %(priority)s
       AND j.status = 'pending'
       AND j.run_after <= clock.now
+      AND (%(kinds)s::text[] IS NULL OR j.kind = ANY(%(kinds)s::text[]))
     ORDER BY j.run_after, j.id
     LIMIT %(limit)s
     FOR UPDATE OF j SKIP LOCKED
@@ -115,9 +130,13 @@ RETURNING j.id, j.tenant_id, j.kind, j.payload::text AS payload_text, j.priority
 -- presenting lease (batch_id = fencing token AND status = 'running'): a
 -- zombie whose lease was reaped and re-leased matches no row. Jobs that go
 -- back to pending (retries) wake their queue in the same statement (see the
--- has_work protocol in queues.sql).
+-- has_work protocol in queues.sql). Each settled job's attempt is recorded
+-- in `attempts` by the same statement (no extra round trip); a job that
+-- succeeds loses its last_error, which the history keeps.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), lease AS (
+    SELECT worker_id, sandbox_driver FROM batches WHERE batch_id = %(batch_id)s
 ), outcome AS (
     SELECT *
     FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(results)s::jsonb[], %(errors)s::text[],
@@ -126,40 +145,78 @@ WITH clock AS (
     UPDATE jobs j
     SET status = o.status,
         result = CASE WHEN o.status = 'done' THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
-        last_error = coalesce(o.error, j.last_error),
+        last_error = CASE WHEN o.status = 'done' THEN NULL ELSE coalesce(o.error, j.last_error) END,
         batch_id = NULL,
         run_after = CASE WHEN o.status = 'pending' THEN clock.now + make_interval(secs => o.delay)
                          ELSE j.run_after END,
         finished_at = CASE WHEN o.status IN ('done', 'dead') THEN clock.now END
     FROM outcome o, clock
     WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
-    RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after
+    RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.replays,
+              j.started_at, o.error
+), recorded AS (
+    INSERT INTO attempts (tenant_id, job_id, attempt, replay, started_at, finished_at, worker_id, driver,
+                          outcome, error)
+    SELECT s.tenant_id, s.id, s.attempts, s.replays, coalesce(s.started_at, clock.now), clock.now,
+           l.worker_id, l.sandbox_driver,
+           CASE WHEN s.status = 'done' THEN 'done' ELSE 'failed' END,
+           CASE WHEN s.status = 'done' THEN s.error ELSE coalesce(s.error, 'failed') END
+    FROM settled s, lease l, clock
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
-    SELECT tenant_id, priority, true, min(run_after) FROM settled
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+    SELECT tenant_id, priority, true, min(run_after),
+           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
+                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
+           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
+    FROM settled, clock
     WHERE status = 'pending'
     GROUP BY tenant_id, priority
     ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
+            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
+                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
+            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
+                             ELSE excluded.kinds_due END
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
+           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 )
 SELECT id, status FROM settled;
 
 -- name: release_unstarted
 -- Jobs of a batch that never started go back without losing the attempt
--- that the claim counted, and wake their queue.
-WITH released AS (
+-- that the claim counted, and wake their queue. The history records the
+-- release (outcome `released`, the attempt number it would have been).
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), lease AS (
+    SELECT worker_id, sandbox_driver, created_at FROM batches WHERE batch_id = %(batch_id)s
+), released AS (
     UPDATE jobs
     SET status = 'pending', batch_id = NULL, attempts = attempts - 1, started_at = NULL
     WHERE batch_id = %(batch_id)s AND status = 'running' AND id = ANY(%(ids)s::bigint[])
-    RETURNING id, tenant_id, priority, run_after
+    RETURNING id, tenant_id, priority, run_after, kind, attempts, replays
+), recorded AS (
+    INSERT INTO attempts (tenant_id, job_id, attempt, replay, started_at, finished_at, worker_id, driver,
+                          outcome)
+    SELECT r.tenant_id, r.id, r.attempts + 1, r.replays, least(l.created_at, clock.now), clock.now,
+           l.worker_id, l.sandbox_driver, 'released'
+    FROM released r, lease l, clock
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
-    SELECT tenant_id, priority, true, min(run_after) FROM released
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+    SELECT tenant_id, priority, true, min(run_after),
+           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
+                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
+           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
+    FROM released, clock
     GROUP BY tenant_id, priority
     ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
+            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
+                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
+            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
+                             ELSE excluded.kinds_due END
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
+           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 )
 SELECT id FROM released;
 
@@ -183,8 +240,10 @@ ORDER BY finished_at DESC, id DESC
 LIMIT %(limit)s;
 
 -- name: retry_dead
--- Replay dead jobs: back to pending with a fresh set of attempts. The last
--- error is kept for the record until the next attempt overwrites it.
+-- Replay dead jobs: back to pending with a fresh set of attempts (numbered
+-- from 1 again) and `replays` + 1, which the attempt history records with
+-- every later attempt, so the attempts before the replay stay readable.
+-- The last error is kept until the job succeeds or fails again.
 -- SKIP LOCKED so a replay never waits on a row some other statement holds.
 WITH target AS (
     SELECT id FROM jobs
@@ -194,11 +253,11 @@ WITH target AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE jobs j
-SET status = 'pending', attempts = 0, finished_at = NULL, started_at = NULL,
+SET status = 'pending', attempts = 0, finished_at = NULL, started_at = NULL, replays = j.replays + 1,
     run_after = coalesce(%(now)s::timestamptz, now())
 FROM target t
 WHERE j.id = t.id
-RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after;
+RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind;
 
 -- name: status_counts
 -- Per tenant and class. Counting is a scan of the tenant's rows; the
@@ -216,3 +275,33 @@ FROM jobs
 WHERE %(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s
 GROUP BY tenant_id, priority
 ORDER BY tenant_id, priority;
+
+-- name: attempts_of
+-- A job's attempt history, newest first (the job page shows the newest
+-- %(limit)s); the primary key (tenant_id, job_id, id) serves it.
+SELECT attempt, replay, started_at, finished_at, worker_id, driver, outcome, error,
+       extract(epoch FROM finished_at - started_at)::double precision AS seconds
+FROM attempts
+WHERE tenant_id = %(tenant_id)s AND job_id = %(id)s
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: prune
+-- Finished jobs (done, dead, cancelled) older than %(keep_seconds)s go,
+-- and their attempt history with them, in one statement. At most
+-- %(limit)s jobs per call, so a large backlog is pruned in steps that do
+-- not hold many locks for long.
+WITH doomed AS (
+    SELECT id, tenant_id FROM jobs
+    WHERE status IN ('done', 'dead', 'cancelled')
+      AND finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(keep_seconds)s)
+    ORDER BY finished_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), history AS (
+    DELETE FROM attempts a USING doomed d
+    WHERE a.tenant_id = d.tenant_id AND a.job_id = d.id
+)
+DELETE FROM jobs j USING doomed d
+WHERE j.id = d.id
+RETURNING j.id;

@@ -9,18 +9,41 @@
 -- transaction that made a job pending and touched the row has committed by
 -- the time the lock is granted, so its jobs are visible to the check; any
 -- later one waits for the scheduler and sets has_work again.
+--
+-- The kinds hint (`kinds`, `kinds_due`) follows the same protocol, so that
+-- a worker is offered only queues with work it can run: every statement
+-- that makes a job pending adds the job's kind to `kinds` (or, for a job
+-- not yet due, moves `kinds_due` to its run_after), and only clear_if_empty
+-- narrows it, under the row lock, from what is pending then. Invariant: a
+-- pending job's kind is in `kinds`, or its run_after >= `kinds_due`. A
+-- worker that cannot run any kind in a queue's hint is not offered it
+-- (candidates), so it neither charges that tenant's deficit nor spins on
+-- it; once `kinds_due` passes, every worker is offered it until one probe
+-- finds nothing and makes the hint exact again. NULL kinds: any kind.
+-- The upserts compute the new kinds with plain aggregates and test
+-- coverage with `@>` first; queue_kinds() (schema.sql) is only called for a
+-- kind the hint lacks: a SQL function with a subquery cannot be inlined and
+-- is planned again on every call, which would cost every enqueue ~1 ms.
 
 -- name: wake
 -- Make queues runnable again after jobs went back to pending.
-INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at)
-SELECT tenant_id, priority, true, min(run_after)
-FROM unnest(%(tenant_ids)s::text[], %(priorities)s::text[], %(run_afters)s::timestamptz[])
-    AS w(tenant_id, priority, run_after)
+INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+SELECT tenant_id, priority, true, min(run_after),
+       CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
+                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
+       coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
+FROM unnest(%(tenant_ids)s::text[], %(priorities)s::text[], %(run_afters)s::timestamptz[], %(kinds)s::text[])
+    AS w(tenant_id, priority, run_after, kind),
+     (SELECT coalesce(%(now)s::timestamptz, now()) AS now) AS clock
 GROUP BY tenant_id, priority
 ORDER BY tenant_id, priority
 ON CONFLICT (tenant_id, priority) DO UPDATE
-    SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at)
-    WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at;
+    SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
+        kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
+                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
+        kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due) ELSE excluded.kinds_due END
+    WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
+       OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds));
 
 -- name: candidates
 -- Queues of one class that may have runnable work, in round-robin order:
@@ -32,7 +55,11 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- 10,000 active tenants (`./run bench scaling`). The partial index queues_with_work holds only queues with
 -- work, so idle tenants cost nothing; LIMIT bounds the rest. `live` is only
 -- counted for capped tenants (a hint here; the picker re-counts under the
--- tenant's row lock before it claims).
+-- tenant's row lock before it claims). %(kinds)s: the kinds the worker can
+-- run (NULL: any); a queue whose kinds hint holds none of them is not a
+-- candidate (see "The kinds hint" above). It is a filter on the rows of the
+-- same index scan (LIMIT counts the rows that pass), so the index and its
+-- order are unchanged.
 (SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
@@ -42,6 +69,8 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
  WHERE q.priority = %(priority)s AND q.has_work
    AND q.tenant_id >= (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+   AND (%(kinds)s::text[] IS NULL OR q.kinds IS NULL OR q.kinds && %(kinds)s::text[]
+        OR q.kinds_due <= coalesce(%(now)s::timestamptz, now()))
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
 (SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
@@ -53,6 +82,8 @@ UNION ALL
  WHERE q.priority = %(priority)s AND q.has_work
    AND q.tenant_id < (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
+   AND (%(kinds)s::text[] IS NULL OR q.kinds IS NULL OR q.kinds && %(kinds)s::text[]
+        OR q.kinds_due <= coalesce(%(now)s::timestamptz, now()))
  ORDER BY q.tenant_id LIMIT %(limit)s);
 
 -- name: set_deficits
@@ -84,15 +115,21 @@ WHERE b.batch_id = %(batch_id)s AND b.run_seconds IS NOT NULL
   AND q.tenant_id = b.tenant_id AND q.priority = b.priority;
 
 -- name: classes_with_work
--- Which classes have a queue with runnable work at all: lets a worker skip
--- the pick transaction of an empty class (one cheap index read instead).
+-- Which classes have a queue with runnable work this worker can run
+-- (%(kinds)s, NULL: any): lets a worker skip the pick transaction of a
+-- class with nothing for it (one cheap index read instead).
 SELECT DISTINCT priority FROM queues
-WHERE has_work AND next_run_at <= coalesce(%(now)s::timestamptz, now());
+WHERE has_work AND next_run_at <= coalesce(%(now)s::timestamptz, now())
+  AND (%(kinds)s::text[] IS NULL OR kinds IS NULL OR kinds && %(kinds)s::text[]
+       OR kinds_due <= coalesce(%(now)s::timestamptz, now()));
 
 -- name: interactive_runnable
+-- Interactive work this worker can run (%(kinds)s, NULL: any) is waiting:
+-- recalls its lent slots. Work only another app can run recalls nothing.
 SELECT EXISTS (
     SELECT 1 FROM queues
     WHERE priority = 'interactive' AND has_work AND next_run_at <= now()
+      AND (%(kinds)s::text[] IS NULL OR kinds IS NULL OR kinds && %(kinds)s::text[] OR kinds_due <= now())
 ) AS waiting;
 
 -- name: lock_for_clear
@@ -105,23 +142,41 @@ FOR UPDATE;
 -- With pending jobs left (all in the future), only next_run_at moves, so
 -- the queue is skipped until its next job is due. With none, the queue
 -- leaves the active list and its DRR credit resets: idle tenants keep none.
+-- The kinds hint becomes exact: the kinds of the jobs runnable now, and
+-- the first run_after after now (jobs due later are listed then). Three
+-- subqueries, each on jobs_runnable: min() alone reads one index entry,
+-- while a min() beside array_agg() would read every pending row. The
+-- kinds are read from the runnable rows only, which the failed claim just
+-- walked anyway. MATERIALIZED: computed once (inlined, each use of
+-- p.next_run_at below would run its subquery again).
+WITH p AS MATERIALIZED (
+    SELECT (SELECT min(run_after) FROM jobs
+            WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s AND status = 'pending') AS next_run_at,
+           (SELECT CASE WHEN count(DISTINCT kind) > 64 THEN NULL
+                        ELSE coalesce(array_agg(DISTINCT kind), '{}') END FROM jobs
+            WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s AND status = 'pending'
+              AND run_after <= coalesce(%(now)s::timestamptz, now())) AS kinds,
+           (SELECT min(run_after) FROM jobs
+            WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s AND status = 'pending'
+              AND run_after > coalesce(%(now)s::timestamptz, now())) AS kinds_due
+)
 UPDATE queues q
 SET has_work = p.next_run_at IS NOT NULL,
     next_run_at = coalesce(p.next_run_at, q.next_run_at),
-    deficit = CASE WHEN p.next_run_at IS NULL THEN 0 ELSE q.deficit END
-FROM (
-    SELECT min(run_after) AS next_run_at FROM jobs
-    WHERE tenant_id = %(tenant_id)s AND priority = %(priority)s AND status = 'pending'
-) p
+    deficit = CASE WHEN p.next_run_at IS NULL THEN 0 ELSE q.deficit END,
+    kinds = p.kinds,
+    kinds_due = coalesce(p.kinds_due, 'infinity')
+FROM p
 WHERE q.tenant_id = %(tenant_id)s AND q.priority = %(priority)s
 RETURNING q.has_work;
 
 -- name: repair
 -- Self-healing backstop run by the reaper now and then: any queue with
 -- pending jobs is marked as having work. It only ever sets has_work, so it
--- cannot race the protocol above into losing a queue.
+-- cannot race the protocol above into losing a queue; its kinds hint
+-- becomes "any" (NULL), which the next probe that finds nothing narrows.
 UPDATE queues q
-SET has_work = true, next_run_at = p.next_run_at
+SET has_work = true, next_run_at = p.next_run_at, kinds = NULL
 FROM (
     SELECT i.tenant_id, i.priority,
            (SELECT min(j.run_after) FROM jobs j

@@ -45,9 +45,31 @@ CREATE TABLE queues (
     -- fairness by run time: moving average of its jobs' run seconds
     avg_job_seconds double precision
         CONSTRAINT avg_job_seconds_nonnegative CHECK (avg_job_seconds IS NULL OR avg_job_seconds >= 0)
-        CONSTRAINT avg_job_seconds_finite CHECK (avg_job_seconds IS NULL OR (avg_job_seconds > '-Infinity'::float8 AND avg_job_seconds < 'Infinity'::float8))
+        CONSTRAINT avg_job_seconds_finite CHECK (avg_job_seconds IS NULL OR (avg_job_seconds > '-Infinity'::float8 AND avg_job_seconds < 'Infinity'::float8)),
+    -- Which kinds its runnable jobs may be of, so that a worker is only
+    -- offered queues it can serve (queues.sql: `candidates`). A hint kept
+    -- like has_work: every statement that makes a job pending adds its
+    -- kind; only a pick that found nothing, under the row's lock, narrows
+    -- it. Invariant: every pending job's kind is in `kinds`, or its
+    -- run_after is at or after `kinds_due`. NULL: any kind (a row from
+    -- before migration 0005, or more kinds than the hint holds).
+    kinds      text[] CONSTRAINT kinds_bounded CHECK (kinds IS NULL OR cardinality(kinds) <= 64),
+    kinds_due  timestamptz NOT NULL DEFAULT 'infinity'
 );
 CREATE INDEX queues_with_work ON queues (priority, tenant_id) WHERE has_work;
+
+-- The kinds hint after jobs of `added` kinds became pending: the sorted
+-- union, or NULL (any kind) past 64 kinds, which keeps every enqueue's
+-- update of the row cheap whatever a tenant enqueues.
+CREATE FUNCTION queue_kinds(current_kinds text[], added text[]) RETURNS text[]
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN current_kinds IS NULL OR added IS NULL THEN NULL
+        WHEN current_kinds @> added THEN current_kinds
+        ELSE (SELECT CASE WHEN count(*) > 64 THEN NULL ELSE array_agg(k ORDER BY k) END
+              FROM (SELECT DISTINCT unnest(current_kinds || added) AS k) AS u)
+    END
+$$;
 
 -- The round-robin position per priority class. The row is locked FOR UPDATE
 -- for the length of one pick, which serialises picks of one class across all
@@ -110,6 +132,9 @@ CREATE TABLE jobs (
     created_at      timestamptz NOT NULL,
     started_at      timestamptz,
     finished_at     timestamptz,
+    -- times sent back from dead (`tenantq dead retry`): attempts start again
+    -- at 1, and the attempt history says which replay each belongs to
+    replays         integer NOT NULL DEFAULT 0 CONSTRAINT replays_nonnegative CHECK (replays >= 0),
     CONSTRAINT attempts_in_range CHECK (attempts BETWEEN 0 AND max_attempts),
     CONSTRAINT payload_size CHECK (octet_length(payload::text) <= 262144),
     CONSTRAINT running_has_lease CHECK ((status = 'running') = (batch_id IS NOT NULL)),
@@ -136,3 +161,54 @@ CREATE TABLE egress_blocks (
     blocked_at timestamptz NOT NULL
 );
 CREATE INDEX egress_blocks_job ON egress_blocks (tenant_id, job_id);
+
+-- Live workers: upserted when a worker starts, heartbeated by its
+-- maintenance thread, deleted when it stops gracefully; dead after
+-- WORKER_DEAD_AFTER_LEASES lease periods without a heartbeat (workers.sql),
+-- then pruned.
+CREATE TABLE workers (
+    worker_id      text PRIMARY KEY CONSTRAINT worker_row_id_nonempty CHECK (worker_id <> ''),
+    host           text NOT NULL,
+    pid            integer NOT NULL,
+    -- the kinds it claims; NULL: every kind (an executor that does not say)
+    kinds          text[] CONSTRAINT worker_kinds_bounded CHECK (kinds IS NULL OR cardinality(kinds) <= 10000),
+    sandbox_driver text NOT NULL,
+    lease_seconds  double precision NOT NULL CONSTRAINT lease_seconds_positive CHECK (lease_seconds > 0)
+        CONSTRAINT lease_seconds_finite CHECK (lease_seconds > '-Infinity'::float8 AND lease_seconds < 'Infinity'::float8),
+    started_at     timestamptz NOT NULL,
+    heartbeat_at   timestamptz NOT NULL,
+    -- batches in a row whose executor failed, and the last such failure
+    -- (kept after a success, for the record)
+    executor_failures      integer NOT NULL DEFAULT 0
+        CONSTRAINT executor_failures_nonnegative CHECK (executor_failures >= 0),
+    last_executor_error    text,
+    last_executor_error_at timestamptz,
+    CONSTRAINT executor_error_has_time CHECK ((last_executor_error IS NULL) = (last_executor_error_at IS NULL))
+);
+
+-- One row per attempt that ended: done, failed, released before it started
+-- (refunded, not counted) or lost with its lease. Written by the statements
+-- that settle, release and reap, in their transactions; a running attempt
+-- is the job row itself (started_at, batch). No foreign key: `jobs.prune`
+-- deletes a job's attempts with it, and an FK on job_id would need an index
+-- led by job_id for its cascade.
+CREATE TABLE attempts (
+    tenant_id   text NOT NULL,
+    job_id      bigint NOT NULL,
+    id          bigint GENERATED ALWAYS AS IDENTITY,
+    attempt     integer NOT NULL CONSTRAINT attempt_positive CHECK (attempt >= 1),
+    replay      integer NOT NULL DEFAULT 0 CONSTRAINT attempt_replay_nonnegative CHECK (replay >= 0),
+    -- when the attempt was counted (its lease), and when it ended
+    started_at  timestamptz NOT NULL,
+    finished_at timestamptz NOT NULL,
+    worker_id   text NOT NULL,
+    driver      text NOT NULL,
+    outcome     text NOT NULL CONSTRAINT attempt_outcome_known CHECK (outcome IN ('done', 'failed', 'released', 'lost')),
+    error       text,
+    CONSTRAINT attempt_failure_has_error CHECK (outcome NOT IN ('failed', 'lost') OR error IS NOT NULL),
+    PRIMARY KEY (tenant_id, job_id, id)
+);
+-- "Recent failures" on the dashboard, newest first, for all tenants or one.
+-- Partial: a successful attempt is in neither index.
+CREATE INDEX attempts_failures ON attempts (finished_at) WHERE outcome IN ('failed', 'lost');
+CREATE INDEX attempts_failures_by_tenant ON attempts (tenant_id, finished_at) WHERE outcome IN ('failed', 'lost');

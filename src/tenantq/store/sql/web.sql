@@ -2,18 +2,20 @@
 -- claim path, so plain scans are acceptable where no index fits.
 
 -- name: recent_failures
--- Jobs whose last attempt (or an earlier one) failed, newest failure first.
--- There is no index on last_error on purpose (it would be written on every
--- failure to serve one dashboard query); the sort key is the last moment the
--- job was touched, and LIMIT keeps the result small. `error_line` is the
--- first line of the error: the one that says what happened.
-SELECT id, tenant_id, kind, priority, status, attempts, max_attempts,
-       split_part(last_error, E'\n', 1) AS error_line,
-       coalesce(finished_at, started_at, created_at) AS failed_at
-FROM jobs
-WHERE last_error IS NOT NULL
-  AND (%(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s)
-ORDER BY coalesce(finished_at, started_at, created_at) DESC, id DESC
+-- Failed (and lost) attempts, newest first, at the time they failed: from
+-- the attempt history, so a job that failed and then succeeded shows its
+-- failure, stamped when it happened. The partial indexes attempts_failures
+-- (all tenants) and attempts_failures_by_tenant (one) hold only failures,
+-- in time order, so the newest %(limit)s are read straight off an index.
+-- `error_line` is the first line of the error: the one that says what
+-- happened. `status` is the job's status now.
+SELECT a.job_id AS id, a.tenant_id, j.kind, j.priority, j.status, a.attempt, a.replay, j.max_attempts,
+       a.outcome, a.worker_id, split_part(a.error, E'\n', 1) AS error_line, a.finished_at AS failed_at
+FROM attempts a
+LEFT JOIN jobs j ON j.id = a.job_id
+WHERE a.outcome IN ('failed', 'lost')
+  AND (%(tenant_id)s::text IS NULL OR a.tenant_id = %(tenant_id)s)
+ORDER BY a.finished_at DESC
 LIMIT %(limit)s;
 
 -- name: dead_count

@@ -1,0 +1,158 @@
+"""`tenantq worker`: the command that runs jobs (options, logging, signals)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+
+from tenantq.cli_sandbox import APP_HELP
+from tenantq.errors import TenantqError
+
+
+@click.command()
+@click.option("--app", "app", required=True, metavar="MODULE", help=APP_HELP)
+@click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
+              default="auto", show_default=True,
+              help="Where batches run; kinds registered isolation='inline' always run in-process.")
+@click.option("--secrets", "secrets_file", default=None,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="JSON or TOML: tenant -> {NAME: value}; each tenant's sandboxes get only theirs.")
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, 10000), default=10, show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True)
+@click.option("--poll-seconds", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
+              help="Polling fallback when no NOTIFY arrives.")
+@click.option("--backoff-base", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
+              help="Retry backoff base in seconds (full jitter, doubling per attempt).")
+@click.option("--backoff-cap", type=click.FloatRange(0, 86400), default=600.0, show_default=True)
+@click.option("--fair-by", type=click.Choice(["jobs", "runtime"]), default="jobs", show_default=True,
+              help="DRR cost: one unit per job, or measured run seconds.")
+@click.option("--quantum-seconds", type=click.FloatRange(0.001, 3600), default=1.0, show_default=True,
+              help="With --fair-by runtime: credit per turn and unit of weight.")
+@click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
+              help="Share of slots reserved for interactive work (lent out when unused).")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve Prometheus /metrics on 127.0.0.1:PORT.")
+@click.option("--on-dead", default=None, help="Command run with each dead job as JSON on stdin.")
+@click.option("--on-dead-url", default=None, help="URL each dead job is POSTed to as JSON.")
+@click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
+              help="Default: text with a live progress line on a terminal, JSON lines otherwise.")
+@click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
+@click.option("--snapshots", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
+              help="Restore sandboxes from the app's warm template where the driver can (gvisor).")
+@click.option("--keep-warm", type=click.FloatRange(0, 86400), default=0.0, show_default=True,
+              help="Keep a tenant's sandbox this many idle seconds for its next batch (0: never).")
+@click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
+@click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
+              help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
+@click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
+              help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
+def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
+           lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
+           quantum_seconds: float, interactive_share: float, metrics_port: int | None,
+           on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
+           snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
+           hibernate_after: float | None, work_mb: int) -> None:
+    """Run jobs: lease batches fairly, run them, settle every job.
+
+    \b
+    --app names the module whose @tenantq.handler functions are the kinds to run:
+      tenantq worker --app myapp.jobs      (myapp/jobs.py in the current directory)
+    It is imported as `python -m` would: the current directory is put on
+    sys.path, then PYTHONPATH applies. A file path (myapp/jobs.py) or
+    module:attr (myapp.jobs:app) is accepted too; the worker refuses to start
+    when the app does not import or registers no handler.
+
+    Prints its stats as one JSON line on stderr when it stops.
+    """
+    from tenantq.cli_sandbox import make_executor
+    from tenantq.dispatch.outcome import Backoff
+    from tenantq.dispatch.worker import Worker, WorkerConfig
+    from tenantq.fairness.drr import Mode
+    from tenantq.observe.alerts import DeadLetterAlerts
+    from tenantq.observe.logs import ProgressLine
+    from tenantq.observe.logs import configure as configure_logs
+    from tenantq.observe.metrics import serve_worker_metrics
+    from tenantq.queue import Queue
+    from tenantq.registry import load_app
+    from tenantq.sandbox.warm import WarmPolicy
+    from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
+    from tenantq.settings import Settings
+
+    chosen_format = configure_logs(log_format)
+    logging.getLogger("tenantq.worker").addFilter(_StatsOnce())
+    secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
+    policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
+                        max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
+                        max_idle=concurrency)
+    # the mistakes of a first run, each one line before anything else is
+    # printed or started: an app that does not import or registers nothing,
+    # then a database that is not there
+    module = load_app(app)
+    with Queue() as q:
+        db_ = q.db
+    db_.check()
+    executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb)
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
+                          poll_seconds=poll_seconds, once=once,
+                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
+                          fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
+                          interactive_share=interactive_share)
+    w = Worker(db_, executor, config, secrets=secrets.for_tenant,
+               alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
+    if metrics_port is not None:
+        serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
+    _install_signal_handlers(w.stop)
+    progress = None
+    if chosen_format == "text" and sys.stderr.isatty():
+        progress = ProgressLine(lambda: _progress(w), w.stopping)
+        progress.start()
+    stats = w.run()
+    if progress is not None:
+        progress.join(timeout=2)  # it clears its line first, so it cannot erase the stats line
+    click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
+    if w.failed:
+        # the worker stopped itself because it could not carry on: non-zero exit, one line saying why
+        raise TenantqError(f"worker stopped: {w.failure or 'it could not carry on; see the log above'}")
+
+
+class _StatsOnce(logging.Filter):
+    """Worker.run logs its final stats, and the command prints them as its
+    last stderr line (JSON, which scripts parse): drop the log record so
+    they appear once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "worker %s stopped: %s"
+
+
+def _progress(w: Any) -> str:
+    s = w.stats.snapshot()
+    return (f"tenantq worker [{w.executor.name}] batches {s['batches']} · done {s['done']} · "
+            f"retried {s['retried']} · dead {s['dead']} · released {s['released']} · "
+            f"running {len(w.leases.live())}")
+
+
+def _install_signal_handlers(stop: Callable[[], None]) -> None:
+    received = {"count": 0}
+
+    def handle(signum: int, frame: FrameType | None) -> None:
+        received["count"] += 1
+        if received["count"] > 1:
+            # second signal: leave now; unfinished leases expire and are reaped
+            os._exit(128 + signum)
+        logging.getLogger("tenantq.worker").info(
+            "received %s: finishing running jobs, releasing the rest", signal.Signals(signum).name)
+        stop()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
