@@ -281,7 +281,12 @@ def heartbeat(
         sql("batches", "heartbeat"),
         {"batch_ids": list(batch_ids), "lease_seconds": lease_seconds, "now": now},
     ).fetchall()
-    return {int(str(r["batch_id"])) for r in rows}
+    alive = {int(str(r["batch_id"])) for r in rows}
+    missing = [b for b in batch_ids if b not in alive]
+    if missing:
+        ended = conn.execute(sql("batches", "ended_by_slot"), {"batch_ids": missing}).fetchall()
+        alive |= {int(str(r["batch_id"])) for r in ended}
+    return alive
 
 
 def expire_leases(conn: Conn, *, now: datetime | None = None) -> list[dict[str, Any]]:

@@ -14,20 +14,20 @@ FOR UPDATE;
 -- name: heartbeat
 -- Extend every live lease of one worker in one statement; a lease that has
 -- already expired is NOT revived (its jobs may be re-leased by now), so it is
--- missing from the result and the worker treats it as lost. A batch its slot
--- ended between the worker's snapshot of its leases and this statement is
--- returned too (live = false): finished, not lost.
-WITH extended AS (
-    UPDATE batches
-    SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_seconds)s),
-        heartbeat_at = coalesce(%(now)s::timestamptz, now())
-    WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND ended_at IS NULL
-      AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
-    RETURNING batch_id
-)
-SELECT batch_id, true AS live FROM extended
-UNION ALL
-SELECT batch_id, false FROM batches
+-- missing from the result and the worker treats it as lost (see ended_by_slot).
+UPDATE batches
+SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_seconds)s),
+    heartbeat_at = coalesce(%(now)s::timestamptz, now())
+WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND ended_at IS NULL
+  AND lease_expires_at > coalesce(%(now)s::timestamptz, now())
+RETURNING batch_id;
+
+-- name: ended_by_slot
+-- Of the batches the heartbeat did not extend, those their own slot ended
+-- meanwhile: finished, not lost. A statement of its own, so a new snapshot
+-- (READ COMMITTED) sees an end that committed while the heartbeat waited on
+-- the row's lock.
+SELECT batch_id FROM batches
 WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND outcome IN ('ok', 'failed', 'released');
 
 -- name: end
