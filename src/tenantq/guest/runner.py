@@ -85,9 +85,11 @@ def _run_batch(stdin: Any, command: dict[str, Any], wake_r: int) -> dict[str, An
 
 
 def _supervise(pid: int, ttl: float, wake_r: int) -> dict[str, Any]:
+    from tenantq.guest.supervisor import reap
+
     deadline = time.monotonic() + ttl
     while True:
-        status = _reap(pid)
+        status = reap(pid)
         if status is not None:
             if os.WIFSIGNALED(status):
                 return {"status": "batch_end", "signal": os.WTERMSIG(status)}
@@ -99,21 +101,6 @@ def _supervise(pid: int, ttl: float, wake_r: int) -> dict[str, Any]:
         readable, _, _ = select.select([wake_r], [], [], remaining)
         if wake_r in readable:
             os.read(wake_r, 4096)
-
-
-def _reap(pid: int) -> int | None:
-    """Reap every exited child (as the sandbox's init, orphans are ours
-    too); return `pid`'s wait status once it has exited."""
-    found: int | None = None
-    while True:
-        try:
-            child, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return found
-        if child == 0:
-            return found
-        if child == pid:
-            found = status
 
 
 def _kill(pid: int) -> None:

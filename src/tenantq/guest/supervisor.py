@@ -86,6 +86,22 @@ def kill_others() -> bool:
         time.sleep(0.001)
 
 
+def reap(pid: int) -> int | None:
+    """Reap every exited child (the runner is the sandbox's init and the
+    supervisor a subreaper: orphans are theirs too); return `pid`'s wait
+    status once it has exited."""
+    found: int | None = None
+    while True:
+        try:
+            child, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return found
+        if child == 0:
+            return found
+        if child == pid:
+            found = status
+
+
 def _signal_text(number: int) -> str:
     try:
         name = signal.Signals(number).name
@@ -244,7 +260,7 @@ class Supervisor:
         overflow = timed_out = False
         open_fds = {result_r, out_r}
         while not _complete(result):
-            status = self._reap(pid)
+            status = reap(pid)
             if status is not None:
                 # the job is gone: whatever it (or a leftover child) still
                 # writes is not waited for
@@ -295,18 +311,6 @@ class Supervisor:
                 if not chunk:
                     break
                 result += chunk
-
-    def _reap(self, pid: int) -> int | None:
-        found: int | None = None
-        while True:
-            try:
-                child, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return found
-            if child == 0:
-                return found
-            if child == pid:
-                found = status
 
     @staticmethod
     def _outcome(result: bytes, status: int | None, overflow: bool, timed_out: bool,
