@@ -202,7 +202,11 @@ def mount_points() -> list[str]:
 
 def walk(top: str, limit: int = 200) -> list[str]:
     """Every entry under `top` (relative), unreadable dirs included; [] when
-    `top` is empty or absent."""
+    `top` is empty or absent. The read-only code mounts that live there (a
+    checkout under the host's /tmp) and the directories leading to them stay
+    by design (docs/security.md, rule P1): they are not listed, and mount
+    points are not entered."""
+    mounts = set(mount_points())
     found: list[str] = []
     stack = [top]
     while stack and len(found) < limit:
@@ -214,8 +218,11 @@ def walk(top: str, limit: int = 200) -> list[str]:
                 found.append(f"{os.path.relpath(current, top)}/ ({errname(exc.errno or 0)})")
             continue
         for entry in entries:
-            rel = os.path.relpath(entry.path, top)
-            found.append(rel)
+            if entry.path in mounts:
+                continue
+            leads_to_mount = any(m.startswith(entry.path + "/") for m in mounts)
+            if not leads_to_mount:
+                found.append(os.path.relpath(entry.path, top))
             with contextlib.suppress(OSError):
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
