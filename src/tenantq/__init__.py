@@ -20,19 +20,20 @@ from tenantq.errors import (
     JobNotFound,
     LeaseLost,
     TenantqError,
+    WaitTimeout,
 )
 from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, warmup
 from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
-    from tenantq.queue import JobSpec, Queue
+    from tenantq.queue import AsyncQueue, JobSpec, Queue
 
 
 def __getattr__(name: str) -> Any:
     # Queue pulls in psycopg; importing it lazily keeps `import tenantq`
     # cheap and dependency-free inside a sandbox, where handlers only need
     # the decorator and JobContext.
-    if name in ("Queue", "JobSpec"):
+    if name in ("Queue", "AsyncQueue", "JobSpec"):
         from tenantq import queue
 
         return getattr(queue, name)
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "REGISTRY",
+    "AsyncQueue",
     "DatabaseUnavailable",
     "Handler",
     "InvalidInput",
@@ -53,6 +55,7 @@ __all__ = [
     "Queue",
     "Registry",
     "TenantqError",
+    "WaitTimeout",
     "__version__",
     "handler",
     "warmup",

@@ -12,7 +12,7 @@ import click
 from pydantic import ValidationError
 
 from tenantq import __version__
-from tenantq.errors import InvalidInput, TenantqError
+from tenantq.errors import InvalidInput, TenantqError, WaitTimeout
 from tenantq.queue import Queue
 from tenantq.store import validation
 
@@ -49,10 +49,18 @@ def migrate() -> None:
 @click.option("--max-attempts", type=int, default=5, show_default=True)
 @click.option("--delay", type=float, default=0.0, show_default=True, help="Seconds before it may run.")
 @click.option("--key", default=None, help="Idempotency key, unique per tenant.")
+@click.option("--actor", default=None, help="Who the job is for (a user id...): ctx.actor.")
+@click.option("--meta", "meta_items", multiple=True, metavar="KEY=VALUE",
+              help="Request context for ctx.meta (repeatable), or a JSON object.")
+@click.option("--wait", "wait_", is_flag=True, help="Wait for the job to end; print it; exit 1 unless done.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after S seconds (exit 124).")
 def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: int,
-            delay: float, key: str | None) -> None:
+            delay: float, key: str | None, actor: str | None, meta_items: tuple[str, ...],
+            wait_: bool, timeout: float | None) -> None:
     """Enqueue one job and print its id. --payload @FILE reads the JSON from
-    a file, --payload - from standard input."""
+    a file, --payload - from standard input. With --wait, print the ended
+    job (its result) instead; the exit code is 0 if it is done, 1 if it is
+    dead or cancelled, 124 if --timeout passed first."""
     try:
         if payload == "-":
             payload = sys.stdin.read()
@@ -63,9 +71,44 @@ def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: i
         source = "standard input" if payload == "-" else f"file {payload[1:]}"
         raise InvalidInput(f"cannot read the payload from {source}: {exc}") from None
     parsed = validation.parse_payload(payload)
+    meta = _meta_option(meta_items)
+    if timeout is not None and not wait_:
+        raise InvalidInput("--timeout goes with --wait")
     with _queue() as q:
-        click.echo(q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
-                             delay=delay, key=key))
+        job_id = q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
+                           delay=delay, key=key, actor=actor, meta=meta)
+        if not wait_:
+            click.echo(job_id)
+            return
+        try:
+            info = q.wait(job_id, timeout=timeout)
+        except WaitTimeout as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(124)
+    _emit_json({"id": info.id, "status": info.status, "result": info.result,
+                "outcome": info.outcome_note, "last_error": info.last_error})
+    if info.status != "done":
+        sys.exit(1)
+
+
+def _meta_option(items: tuple[str, ...]) -> dict[str, Any] | None:
+    """--meta request_id=r-1 --meta plan=pro, or --meta '{"request_id": "r-1"}'."""
+    if not items:
+        return None
+    if len(items) == 1 and items[0].lstrip().startswith("{"):
+        try:
+            meta = json.loads(items[0])
+        except ValueError as exc:
+            raise InvalidInput(f"--meta is not a JSON object: {exc}") from None
+        validation.meta_json(meta)
+        return meta  # type: ignore[no-any-return]
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise InvalidInput(f"--meta takes KEY=VALUE or a JSON object, got {item!r}")
+        out[name] = value
+    return out
 
 
 @cli.command()

@@ -21,3 +21,7 @@ class LeaseLost(TenantqError):
 
 class DatabaseUnavailable(TenantqError):
     """The configured database cannot be reached."""
+
+
+class WaitTimeout(TenantqError, TimeoutError):
+    """`Queue.wait` gave up: the job had not ended within the timeout."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import os
 import sys
 import sysconfig
@@ -32,6 +34,10 @@ class JobContext:
     kind: str
     max_attempts: int
     env: Mapping[str, str] = field(default_factory=dict)
+    # the security envelope the job was enqueued with: who asked for it
+    # (None: nobody said) and the request's context (a small JSON object)
+    actor: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 HandlerFunc = Callable[[Any, JobContext], Any]
@@ -53,6 +59,17 @@ class Handler:
     # narrows the tenant's egress rules while this handler runs (never widens)
     egress: tuple[Rule, ...] | None = None
     process: Process = "job"
+
+    def call(self, payload: Any, ctx: JobContext) -> Any:
+        """Run the handler: an `async def` one on an event loop of its own
+        (asyncio.run: a fresh loop per job, closed after it, so nothing
+        bound to one job's loop leaks into the next)."""
+        if inspect.iscoroutinefunction(self.func):
+            return asyncio.run(self.func(payload, ctx))
+        result = self.func(payload, ctx)
+        if inspect.iscoroutine(result):  # a callable object whose __call__ is async
+            return asyncio.run(result)
+        return result
 
 
 class Registry:
@@ -122,7 +139,8 @@ def handler(
     process: Process = "job",
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
-    """Register `func(payload, ctx)` as the handler of `kind`.
+    """Register `func(payload, ctx)` as the handler of `kind` (a plain
+    function, or an `async def` one, run on an event loop of its own).
 
     `isolation="inline"` marks a trusted first-party kind that may run in
     the dispatcher process; everything else runs sandboxed when the worker

@@ -82,6 +82,10 @@ def job_panel(info: JobInfo) -> None:
     panel.add_row("attempts", f"{info.attempts} of {info.max_attempts}")
     panel.add_row("run after", str(info.run_after))
     panel.add_row("created", str(info.created_at))
+    if info.actor:
+        panel.add_row("actor", info.actor)
+    if info.meta:
+        panel.add_row("meta", _preview(info.meta))
     if info.finished_at:
         panel.add_row("finished", str(info.finished_at))
     if info.lease_owner:

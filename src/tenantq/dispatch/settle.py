@@ -146,7 +146,7 @@ class BatchRun:
         seconds = self._seconds(job_id, event.seconds)
         if job_id not in self.undecodable:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
-        self._run_histogram.observe(seconds)
+        self._run_histogram.observe(seconds, metrics.exemplar(job.id, job.tenant_id, job.actor))
         backoff = self.worker.config.backoff
         if event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
@@ -362,3 +362,8 @@ class BatchRun:
                 metrics.DEAD_LETTERED.labels(priority).inc()
                 job = self.jobs[s.job_id]
                 self.worker.alerts.fire(DeadJob(job.id, job.tenant_id, job.kind, job.attempt, s.error or ""))
+                # the envelope in the record (JSON logs carry it as fields)
+                log.warning("job %d (%s, tenant %s, actor %s) is dead after %d attempt(s)", job.id, job.kind,
+                            job.tenant_id, job.actor or "-", job.attempt,
+                            extra={"job_id": job.id, "tenant": job.tenant_id, "kind": job.kind,
+                                   "actor": job.actor, "meta": job.meta})

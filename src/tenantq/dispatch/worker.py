@@ -301,7 +301,7 @@ class Worker:
                 if batch is not None:
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:
-                        waits.observe(job.waited)
+                        waits.observe(job.waited, metrics.exemplar(job.id, job.tenant_id, job.actor))
                     self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
                     return batch
                 if priority == "interactive":

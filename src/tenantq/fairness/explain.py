@@ -11,6 +11,7 @@ from tenantq.store import workers as worker_registry
 from tenantq.store.db import Conn
 from tenantq.store.model import JobInfo
 from tenantq.store.queries import sql
+from tenantq.store.steps import Query, Steps, run
 
 # how many workers' names a sentence lists before "and N more"
 NAMED_WORKERS = 3
@@ -18,10 +19,14 @@ ERROR_CHARS = 300
 
 
 def why_waiting(conn: Conn, job: JobInfo) -> list[str]:
-    row = conn.execute(sql("explain", "job"), {"id": job.id}).fetchone()
-    if row is None:
+    return run(conn, why_waiting_steps(job))
+
+
+def why_waiting_steps(job: JobInfo) -> Steps[list[str]]:
+    rows = yield Query(sql("explain", "job"), {"id": job.id})
+    if not rows:
         return []
-    return reasons(job, row, worker_registry.live(conn))
+    return reasons(job, rows[0], (yield from worker_registry.live_steps()))
 
 
 def reasons(job: JobInfo, row: dict[str, Any], workers: Sequence[dict[str, Any]] | None = None) -> list[str]:

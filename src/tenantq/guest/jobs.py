@@ -99,15 +99,19 @@ def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, 
         return {"ok": False, "reason": "unknown_kind",
                 "error": f"unknown kind {job.get('kind')!r}: no handler registered "
                          f"(known: {', '.join(REGISTRY.kinds()) or 'none'})"}
+    meta = job.get("meta")
+    actor = job.get("actor")
     ctx = JobContext(tenant=tenant, job_id=int(job["id"]), attempt=int(job["attempt"]), kind=handler.kind,
-                     max_attempts=int(job["max_attempts"]), env=dict(env))
+                     max_attempts=int(job["max_attempts"]), env=dict(env),
+                     actor=actor if isinstance(actor, str) else None,
+                     meta=meta if isinstance(meta, dict) else {})
     signal.signal(signal.SIGALRM, _on_alarm)
     limit = _address_space() + handler.memory_mb * 1024 * 1024
     try:
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.RLIM_INFINITY))
         signal.setitimer(signal.ITIMER_REAL, handler.timeout)
         try:
-            result = handler.func(job["payload"], ctx)
+            result = handler.call(job["payload"], ctx)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))

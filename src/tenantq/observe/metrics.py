@@ -54,6 +54,25 @@ DEAD_LETTERED = Counter("tenantq_dead_letter_total", "Jobs that reached dead.", 
                         registry=REGISTRY)
 
 BATCH_REASONS = ("ok", "oom", "timeout", "crashed", "killed", "failed")
+# OpenMetrics: an exemplar's label names and values total at most 128 characters
+EXEMPLAR_CHARS = 128
+
+
+def exemplar(job_id: int, tenant: str, actor: str | None) -> dict[str, str]:
+    """The exemplar of a job's wait and run observations (shown with the
+    OpenMetrics exposition): which job, tenant and actor, cut to fit."""
+    labels = {"job_id": str(job_id), "tenant": tenant}
+    if actor:
+        labels["actor"] = actor
+    used = 0
+    fitted: dict[str, str] = {}
+    for name, value in labels.items():
+        room = EXEMPLAR_CHARS - used - len(name)
+        if room <= 0:
+            break
+        fitted[name] = value[:room]
+        used += len(name) + len(fitted[name])
+    return fitted
 
 
 def batch_reason(end_kind: str) -> str:

@@ -76,9 +76,10 @@ class InlineExecutor:
                                       "(start it with --sandbox auto|gvisor|process)"))
                 continue
             ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
-                             kind=job.kind, max_attempts=job.max_attempts, env=dict(env))
+                             kind=job.kind, max_attempts=job.max_attempts, env=dict(env),
+                             actor=job.actor, meta=dict(job.meta or {}))
             try:
-                result = handler.func(job.payload, ctx)
+                result = handler.call(job.payload, ctx)
             except Exception as exc:
                 report(JobEnded(job.id, ok=False, error=describe_exception(exc)))
             else:

@@ -139,7 +139,7 @@ class BatchSession:
         job_deadline = min(deadline, self._t0 + self._timeout(job) + HOST_TIMEOUT_GRACE_SECONDS)
         self.channel.send({"op": "job", "seq": seq, "job": {
             "id": job.id, "kind": job.kind, "payload": job.payload, "attempt": job.attempt,
-            "max_attempts": job.max_attempts}}, job_deadline)
+            "max_attempts": job.max_attempts, "actor": job.actor, "meta": job.meta}}, job_deadline)
         record = self.channel.receive(job_deadline)
         if record.get("status") == "batch_end":
             # the supervisor died mid-job (the warm parent says how): the

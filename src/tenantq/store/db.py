@@ -95,9 +95,19 @@ class Database:
     def notify_channel(self) -> str:
         return f"tenantq_{self.schema}"
 
-    def connect(self, *, autocommit: bool = True) -> Conn:
+    @property
+    def done_channel(self) -> str:
+        """Where the statements that end jobs notify the ids of the jobs
+        that ended (`Queue.wait`); the SQL spells it
+        `left('tenantq_done_' || current_schema(), 63)`: a channel name is
+        at most 63 bytes."""
+        return ("tenantq_done_" + self.schema)[:63]
+
+    def connect(self, *, autocommit: bool = True, application_name: str | None = None) -> Conn:
         first = self.dsn not in _reached
         conninfo = self._conninfo(first=first)
+        if application_name is not None:
+            conninfo = make_conninfo(conninfo, application_name=application_name)
         try:
             conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=dict_row)
         except psycopg.OperationalError as exc:

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from tenantq.store.db import Conn
 from tenantq.store.model import JobInfo
 from tenantq.store.queries import sql
+from tenantq.store.steps import Query, Steps
 
 # attempts shown per job (a job may have thousands after many replays)
 HISTORY_LIMIT = 100
 NOTE_ERROR_CHARS = 300
 
 
-def history_of(conn: Conn, tenant_id: str, job_id: int, *,
-               limit: int = HISTORY_LIMIT) -> list[dict[str, Any]]:
+def history_steps(tenant_id: str, job_id: int, *,
+                  limit: int = HISTORY_LIMIT) -> Steps[list[dict[str, Any]]]:
     """The newest `limit` attempts that ended, oldest first."""
-    rows = conn.execute(sql("jobs", "attempts_of"),
-                        {"tenant_id": tenant_id, "id": job_id, "limit": limit}).fetchall()
+    rows: list[dict[str, Any]] = yield Query(sql("jobs", "attempts_of"),
+                                             {"tenant_id": tenant_id, "id": job_id, "limit": limit})
     rows.reverse()
     return rows
 

@@ -11,14 +11,15 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.types.json import Jsonb, set_json_loads
+from psycopg.types.json import Jsonb
 
 from tenantq.errors import InvalidInput, JobNotFound, LeaseLost
 from tenantq.store import validation
 from tenantq.store.db import Conn
-from tenantq.store.history import history_of, outcome_note
+from tenantq.store.history import history_steps, outcome_note
 from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
-from tenantq.store.queries import sql
+from tenantq.store.queries import qualified, sql
+from tenantq.store.steps import Query, Steps, run
 
 
 class _RawJson:
@@ -36,13 +37,15 @@ def _jsonb_text(text: str) -> Jsonb:
     return Jsonb(_RawJson(text), dumps=lambda obj: obj.text)
 
 
-def insert_jobs(
-    conn: Conn, jobs: Sequence[tuple[NewJob, str]], *, channel: str, now: datetime | None = None
-) -> list[int]:
+def insert_steps(
+    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+) -> Steps[list[int]]:
     """Insert validated jobs in one statement; returns ids in input order.
 
     A job whose idempotency key already exists for its tenant is not
-    inserted; its existing id is returned in its place.
+    inserted; its existing id is returned in its place. The statements are
+    schema-qualified: they also run on a caller's connection, in the
+    caller's transaction (whose search_path is the caller's).
     """
     if not jobs:
         return []
@@ -54,37 +57,32 @@ def insert_jobs(
         "max_attempts": [j.max_attempts for j, _ in jobs],
         "delays": [j.delay for j, _ in jobs],
         "keys": [j.key for j, _ in jobs],
+        "actors": [j.actor for j, _ in jobs],
+        "metas": [None if j.meta_json is None else _jsonb_text(j.meta_json) for j, _ in jobs],
         "now": now,
         "channel": channel,
     }
     # one statement, so autocommit makes it one round trip and one commit
     try:
-        rows = conn.execute(sql("jobs", "insert"), params).fetchall()
+        rows = yield Query(qualified("jobs", "insert", schema), params)
     except psycopg.errors.CheckViolation as exc:
         # Validation mirrors every CHECK; this is the backstop for a payload
         # whose jsonb rendering outgrows its JSON text (e.g. 1e300 spelled out).
-        if exc.diag.constraint_name == "payload_size":
-            raise InvalidInput(
-                f"payload is over {validation.MAX_PAYLOAD_BYTES} bytes as stored by Postgres"
-            ) from None
+        if exc.diag.constraint_name in ("payload_size", "meta_size"):
+            limit = validation.MAX_PAYLOAD_BYTES if exc.diag.constraint_name == "payload_size" \
+                else validation.MAX_META_BYTES
+            what = exc.diag.constraint_name.split("_")[0]
+            raise InvalidInput(f"{what} is over {limit} bytes as stored by Postgres") from None
         raise
     if len(rows) == len(jobs):
         return [int(str(r["id"])) for r in rows]
-    return _ids_with_existing(conn, jobs, rows)
-
-
-def _ids_with_existing(
-    conn: Conn, jobs: Sequence[tuple[NewJob, str]], inserted: list[dict[str, object]]
-) -> list[int]:
     by_key: dict[tuple[str, str], int] = {}
     keyed = [(j.tenant_id, j.key) for j, _ in jobs if j.key is not None]
     if keyed:
-        existing = conn.execute(
-            sql("jobs", "ids_by_key"),
-            {"tenant_ids": [t for t, _ in keyed], "keys": [k for _, k in keyed]},
-        ).fetchall()
+        existing = yield Query(qualified("jobs", "ids_by_key", schema),
+                               {"tenant_ids": [t for t, _ in keyed], "keys": [k for _, k in keyed]})
         by_key = {(str(r["tenant_id"]), str(r["idempotency_key"])): int(str(r["id"])) for r in existing}
-    fresh = iter(int(str(r["id"])) for r in inserted if r["idempotency_key"] is None)
+    fresh = iter(int(str(r["id"])) for r in rows if r["idempotency_key"] is None)
     ids: list[int] = []
     for job, _ in jobs:
         ids.append(by_key[(job.tenant_id, job.key)] if job.key is not None else next(fresh))
@@ -110,6 +108,12 @@ def decode_payload(text: str | None) -> Any:
         return UndecodablePayload("payload cannot be decoded: nested too deeply")
     except (ValueError, MemoryError) as exc:
         return UndecodablePayload(f"payload cannot be decoded: {str(exc)[:200]}")
+
+
+def _decoded_meta(text: object) -> dict[str, Any] | None:
+    """A claimed job's meta (a small object, CHECKed at insert) or None."""
+    meta = decode_payload(None if text is None else str(text))
+    return meta if isinstance(meta, dict) else None
 
 
 def claim(
@@ -161,6 +165,8 @@ def claim(
                 attempt=int(str(r["attempts"])),
                 max_attempts=int(str(r["max_attempts"])),
                 waited=float(str(r["waited"])),
+                actor=None if r["actor"] is None else str(r["actor"]),
+                meta=_decoded_meta(r["meta_text"]),
             )
             for r in rows
         ),
@@ -256,9 +262,13 @@ def _block_time(at: object) -> float | None:
 def wake_queues(conn: Conn, rows: Sequence[dict[str, Any]], *, now: datetime | None = None) -> None:
     """Mark the queues of jobs that went back to pending as having work
     (and as having work of their kinds)."""
+    run(conn, wake_steps(rows, now=now))
+
+
+def wake_steps(rows: Sequence[dict[str, Any]], *, now: datetime | None = None) -> Steps[None]:
     if not rows:
         return
-    conn.execute(
+    yield Query(
         sql("queues", "wake"),
         {
             "tenant_ids": [r["tenant_id"] for r in rows],
@@ -291,71 +301,81 @@ def heartbeat(
 
 def expire_leases(conn: Conn, *, now: datetime | None = None) -> list[dict[str, Any]]:
     """Reap expired leases; returns the jobs put back (or dead-lettered)."""
-    with conn.transaction():
-        rows = conn.execute(sql("batches", "expire"), {"now": now}).fetchall()
-        wake_queues(conn, [r for r in rows if r["status"] == "pending"], now=now)
+    return run(conn, expire_steps(now=now), atomic=True)
+
+
+def expire_steps(*, now: datetime | None = None) -> Steps[list[dict[str, Any]]]:
+    """`expire_leases` as steps; run them atomically."""
+    rows: list[dict[str, Any]] = yield Query(sql("batches", "expire"), {"now": now})
+    yield from wake_steps([r for r in rows if r["status"] == "pending"], now=now)
     return rows
 
 
-def _readable_json(text: str | bytes) -> Any:
-    """jsonb for display: a value Python cannot decode (a payload stored
-    before enqueue refused deep nesting) shows as a note, never a crash."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        return {"undecodable": "nested too deeply to show"}
-
-
 def get_job(conn: Conn, job_id: int) -> JobInfo:
-    cur = conn.cursor()
-    set_json_loads(_readable_json, cur)
-    row = cur.execute(sql("jobs", "get"), {"id": job_id}).fetchone()
-    if row is None:
+    return run(conn, job_steps(job_id))
+
+
+def job_steps(job_id: int) -> Steps[JobInfo]:
+    found = yield Query(sql("jobs", "get"), {"id": job_id})
+    if not found:
         raise JobNotFound(f"no job with id {job_id}")
+    row = found[0]
     fields = JobInfo.__dataclass_fields__
     blocked = [{"host": r["host"], "reason": r["reason"], "blocked_at": str(r["blocked_at"]),
                 "batch_id": r["batch_id"]}
-               for r in conn.execute(sql("egress", "for_job"), {"job_id": job_id}).fetchall()]
-    history = history_of(conn, str(row["tenant_id"]), job_id)
-    info = JobInfo(**{k: v for k, v in row.items() if k in fields},  # type: ignore[arg-type]
+               for r in (yield Query(sql("egress", "for_job"), {"job_id": job_id}))]
+    history = yield from history_steps(str(row["tenant_id"]), job_id)
+    info = JobInfo(**{k: v for k, v in row.items() if k in fields},
                    egress_blocked=blocked, attempts_history=history)
     return replace(info, outcome_note=outcome_note(info))
 
 
+def state_steps(job_id: int) -> Steps[str | None]:
+    """A job's status alone (None: no such job), for waiting on it."""
+    rows = yield Query(sql("jobs", "status_of"), {"id": job_id})
+    return str(rows[0]["status"]) if rows else None
+
+
 def cancel(conn: Conn, job_id: int, *, now: datetime | None = None) -> bool:
     """Cancel a pending job; False if it exists but is not pending."""
-    if conn.execute(sql("jobs", "cancel"), {"id": job_id, "now": now}).fetchone():
+    return run(conn, cancel_steps(job_id, now=now))
+
+
+def cancel_steps(job_id: int, *, now: datetime | None = None) -> Steps[bool]:
+    if (yield Query(sql("jobs", "cancel"), {"id": job_id, "now": now})):
         return True
-    get_job(conn, job_id)  # raises JobNotFound for an unknown id
+    if (yield from state_steps(job_id)) is None:
+        raise JobNotFound(f"no job with id {job_id}")
     return False
 
 
-def dead_jobs(conn: Conn, *, tenant_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
-    return conn.execute(sql("jobs", "dead_list"), {"tenant_id": tenant_id, "limit": limit}).fetchall()
+def dead_steps(*, tenant_id: str | None = None, limit: int = 100) -> Steps[list[dict[str, Any]]]:
+    rows: list[dict[str, Any]] = yield Query(sql("jobs", "dead_list"),
+                                             {"tenant_id": tenant_id, "limit": limit})
+    return rows
 
 
-def retry_dead(
-    conn: Conn,
+def retry_dead_steps(
     *,
     ids: Sequence[int] | None = None,
     tenant_id: str | None = None,
     channel: str,
     now: datetime | None = None,
-) -> list[int]:
-    """Replay dead jobs (some ids, a tenant's, or all); returns the replayed ids."""
-    with conn.transaction():
-        rows = conn.execute(
-            sql("jobs", "retry_dead"),
-            {"ids": list(ids) if ids is not None else None, "tenant_id": tenant_id, "now": now},
-        ).fetchall()
-        wake_queues(conn, rows, now=now)
-        if rows:
-            conn.execute(sql("jobs", "notify"), {"channel": channel})
+) -> Steps[list[int]]:
+    """Replay dead jobs (some ids, a tenant's, or all); returns the replayed
+    ids. Run atomically."""
+    rows = yield Query(
+        sql("jobs", "retry_dead"),
+        {"ids": list(ids) if ids is not None else None, "tenant_id": tenant_id, "now": now},
+    )
+    yield from wake_steps(rows, now=now)
+    if rows:
+        yield Query(sql("jobs", "notify"), {"channel": channel})
     return sorted(int(str(r["id"])) for r in rows)
 
 
-def prune_jobs(conn: Conn, *, keep_seconds: float, limit: int = 1000, now: datetime | None = None) -> int:
+def prune_steps(*, keep_seconds: float, limit: int = 1000, now: datetime | None = None) -> Steps[int]:
     """Delete finished jobs older than `keep_seconds`, with their attempt
     history; at most `limit` per call. Returns how many went."""
-    return len(conn.execute(sql("jobs", "prune"),
-                            {"keep_seconds": keep_seconds, "limit": limit, "now": now}).fetchall())
+    rows = yield Query(sql("jobs", "prune"), {"keep_seconds": keep_seconds, "limit": limit, "now": now})
+    return len(rows)

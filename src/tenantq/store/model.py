@@ -22,6 +22,9 @@ class NewJob:
     max_attempts: int = 5
     delay: float = 0.0
     key: str | None = None
+    # the security envelope: who asked for it, and the request context (JSON text)
+    actor: str | None = None
+    meta_json: str | None = None
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class ClaimedJob:
     max_attempts: int
     # seconds it was runnable before this claim (for the wait histogram)
     waited: float = 0.0
+    # the security envelope it was enqueued with (ctx.actor, ctx.meta)
+    actor: str | None = None
+    meta: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,8 @@ class JobInfo:
     batch_id: int | None
     lease_owner: str | None
     lease_expires_at: datetime | None
+    actor: str | None = None
+    meta: dict[str, Any] | None = None
     why_waiting: list[str] = field(default_factory=list)
     # requests its sandbox's egress proxy refused while it ran (host, reason, when)
     egress_blocked: list[dict[str, Any]] = field(default_factory=list)

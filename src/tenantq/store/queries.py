@@ -12,6 +12,8 @@ from functools import cache
 from importlib import resources
 from typing import LiteralString
 
+from psycopg.sql import SQL, Composed, Identifier
+
 _MARKER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 
@@ -38,6 +40,24 @@ def sql(noun: str, name: str) -> LiteralString:
     Typed LiteralString for psycopg: the text comes from files shipped in the
     package, never from input (mypy treats LiteralString as str).
     """
+    text = _block(noun, name)
+    if "{schema}" in text:
+        raise KeyError(f"SQL block {name!r} in {noun}.sql names its schema: use qualified()")
+    return text
+
+
+@cache
+def qualified(noun: str, name: str, schema: str) -> Composed:
+    """The statement `name` with `{schema}` replaced by the quoted schema.
+
+    For statements that also run on a caller's connection (enqueue inside
+    the caller's transaction), whose search_path is the caller's: their
+    names are qualified instead of relying on search_path, which tenantq
+    never changes on a connection it does not own."""
+    return SQL(_block(noun, name)).format(schema=Identifier(schema))
+
+
+def _block(noun: str, name: str) -> LiteralString:
     blocks = _file_blocks(noun)
     try:
         return blocks[name]

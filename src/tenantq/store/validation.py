@@ -23,6 +23,11 @@ MAX_DELAY_SECONDS = 366 * 24 * 3600
 # Handlers and the guest's JSON code recurse; this keeps them far from
 # Python's recursion limit.
 MAX_PAYLOAD_DEPTH = 64
+# the job's security envelope (migration 0006 mirrors both limits)
+MAX_ACTOR_LENGTH = 200
+MAX_META_BYTES = 4096
+MAX_META_DEPTH = 8
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 SHOWN_CHARS = 80  # how much of a rejected value an error message repeats
 # `\u0000` as json.dumps escapes a NUL: preceded by an even number of
 # backslashes (an odd run would make it the text "\\u0000", which is fine)
@@ -81,26 +86,31 @@ def priority(value: object) -> Priority:
 
 def payload_json(value: Any) -> str:
     """Serialise a payload, enforcing JSON-ness, the depth limit, what
-    Postgres can store, and the size limit.
+    Postgres can store, and the size limit."""
+    return _stored_json(value, "payload", MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH)
+
+
+def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
+    """`value` as the JSON text a jsonb column will hold, or InvalidInput.
 
     The limit is measured the way Postgres renders jsonb as text (", " and
-    ": " separators, UTF-8), which is what the payload_size CHECK measures.
+    ": " separators, UTF-8), which is what the size CHECKs measure.
     """
-    depth = nesting_depth(value)  # first: json.dumps itself recurses
-    if depth > MAX_PAYLOAD_DEPTH:
-        raise _too_deep(depth)
+    depth = nesting_depth(value, what)  # first: json.dumps itself recurses
+    if depth > max_depth:
+        raise InvalidInput(f"{what} is nested {depth} levels deep; the limit is {max_depth}")
     try:
         # serialised once, in Postgres' own rendering, and sent as is
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
     except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"payload is not JSON-serialisable: {exc}") from None
-    size = len(_utf8(text, "payload"))
+        raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from None
+    size = len(_utf8(text, what))
     # json.dumps writes a NUL (in any value or key) as the escape \\u0000,
     # which jsonb cannot store
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
-        raise InvalidInput("payload contains a NUL character (\\u0000), which Postgres cannot store")
-    if size > MAX_PAYLOAD_BYTES:
-        raise InvalidInput(f"payload is {size} bytes of JSON; the limit is {MAX_PAYLOAD_BYTES}")
+        raise InvalidInput(f"{what} contains a NUL character (\\u0000), which Postgres cannot store")
+    if size > max_bytes:
+        raise InvalidInput(f"{what} is {size} bytes of JSON; the limit is {max_bytes}")
     return text
 
 
@@ -112,7 +122,7 @@ def _children(container: dict[Any, Any] | list[Any] | tuple[Any, ...]) -> Iterat
     return iter(container.values() if isinstance(container, dict) else container)
 
 
-def nesting_depth(value: Any) -> int:
+def nesting_depth(value: Any, what: str = "payload") -> int:
     """Levels of arrays/objects (what json.dumps treats as such) in `value`:
     0 for a scalar, 1 for [] or {}. Walks an explicit stack, never recursing,
     so any depth gets an answer; each container is measured once, so shared
@@ -131,7 +141,7 @@ def nesting_depth(value: Any) -> int:
             if id(child) in known:
                 frame[2] = max(frame[2], known[id(child)])
             elif id(child) in on_path:
-                raise InvalidInput("payload is not JSON-serialisable: it contains itself")
+                raise InvalidInput(f"{what} is not JSON-serialisable: it contains itself")
             else:
                 path.append([child, _children(child), 0])
                 on_path.add(id(child))
@@ -208,6 +218,28 @@ def idempotency_key(value: object) -> str | None:
     return value
 
 
+def actor(value: object) -> str | None:
+    """Who the job is for: one printable line of 1-200 characters, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ACTOR_LENGTH:
+        raise InvalidInput(f"actor must be a string of 1-{MAX_ACTOR_LENGTH} characters, got {_shown(value)}")
+    if _CONTROL.search(value):
+        raise InvalidInput(f"actor {_shown(value)} contains a control character (a newline, NUL, ...)")
+    _utf8(value, "actor")
+    return value
+
+
+def meta_json(value: object) -> str | None:
+    """The request context: a small JSON object (at most MAX_META_BYTES as
+    Postgres renders it, MAX_META_DEPTH levels), serialised; None for none."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidInput(f'meta must be a JSON object such as {{"request_id": "r-1"}}, got {_shown(value)}')
+    return _stored_json(value, "meta", MAX_META_BYTES, MAX_META_DEPTH)
+
+
 def new_job(
     tenant: object,
     kind_: object,
@@ -217,6 +249,8 @@ def new_job(
     max_attempts_: object = 5,
     delay_: object = 0,
     key: object = None,
+    actor_: object = None,
+    meta: object = None,
 ) -> tuple[NewJob, str]:
     """Validate one job; returns it with its payload already serialised."""
     payload = {} if payload is None else payload
@@ -230,5 +264,7 @@ def new_job(
         max_attempts=max_attempts(max_attempts_),
         delay=delay(delay_),
         key=idempotency_key(key),
+        actor=actor(actor_),
+        meta_json=meta_json(meta),
     )
     return job, text

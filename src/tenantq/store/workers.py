@@ -17,6 +17,7 @@ from typing import Any
 
 from tenantq.store.db import Conn
 from tenantq.store.queries import sql
+from tenantq.store.steps import Query, Steps, run
 
 # workers.sql uses this factor too (`3 * lease_seconds`)
 WORKER_DEAD_AFTER_LEASES = 3
@@ -71,7 +72,12 @@ def executor_ok(conn: Conn, worker_id: str) -> None:
 
 
 def live(conn: Conn, *, now: datetime | None = None) -> list[dict[str, Any]]:
-    return conn.execute(sql("workers", "live"), {"now": now}).fetchall()
+    return run(conn, live_steps(now=now))
+
+
+def live_steps(*, now: datetime | None = None) -> Steps[list[dict[str, Any]]]:
+    rows: list[dict[str, Any]] = yield Query(sql("workers", "live"), {"now": now})
+    return rows
 
 
 def prune(conn: Conn, *, now: datetime | None = None) -> None:

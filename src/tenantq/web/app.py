@@ -104,8 +104,9 @@ class Dashboard:
 
     def rows(self, block: str, params: dict[str, Any]) -> list[dict[str, Any]]:
         # The dashboard's own read queries (web.sql) share the Queue's pool.
-        with self.queue._conn() as conn:
-            return conn.execute(sql("web", block), params).fetchall()
+        with self.queue._pool_connection() as conn:
+            rows: list[dict[str, Any]] = conn.execute(sql("web", block), params).fetchall()
+            return rows
 
     def render(self, request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         """Render a page; hands out the session nonce its CSRF token is bound to."""

@@ -71,8 +71,15 @@ WITH clock AS (
     SELECT r.tenant_id, r.id, greatest(r.attempts, 1), r.replays, least(r.started_at, clock.now), clock.now,
            r.worker_id, r.sandbox_driver, 'lost', r.last_error
     FROM reaped r, clock
+), ended AS (
+    -- jobs out of attempts died: wake their waiters at commit (see jobs.sql `settle`)
+    SELECT pg_notify(left('tenantq_done_' || current_schema(), 63),
+                     CASE WHEN length(ids) <= 7900 THEN ids ELSE '*' END)
+    FROM (SELECT string_agg(id::text, ',') AS ids FROM reaped WHERE status = 'dead') AS d
+    WHERE ids IS NOT NULL
 )
-SELECT id, tenant_id, priority, status, run_after, kind, attempts, last_error FROM reaped;
+SELECT id, tenant_id, priority, status, run_after, kind, attempts, last_error
+FROM reaped, (SELECT count(*) FROM ended) AS notified;
 
 -- name: live_for_tenant
 SELECT count(*) AS n FROM batches

@@ -6,6 +6,10 @@
 -- and unnest() turns them into rows. The CTEs run as one statement, so the
 -- tenant rows, the queue wake-up and the jobs commit together.
 --
+-- Names are qualified ({schema}, filled in by queries.qualified()): this
+-- statement also runs on the caller's own connection, inside the caller's
+-- transaction (`enqueue(..., conn=...)`), whatever its search_path is.
+--
 -- Lock order: tenants, then queues, both in sorted order, so two bulk
 -- enqueues that touch the same tenants cannot deadlock. The queue upsert
 -- locks its row even when its WHERE makes it a no-op; that lock is what the
@@ -20,19 +24,21 @@ WITH input AS (
     SELECT *
     FROM unnest(
         %(tenant_ids)s::text[], %(kinds)s::text[], %(payloads)s::jsonb[], %(priorities)s::text[],
-        %(max_attempts)s::integer[], %(delays)s::double precision[], %(keys)s::text[]
-    ) WITH ORDINALITY AS i(tenant_id, kind, payload, priority, max_attempts, delay, idempotency_key, ord)
+        %(max_attempts)s::integer[], %(delays)s::double precision[], %(keys)s::text[],
+        %(actors)s::text[], %(metas)s::jsonb[]
+    ) WITH ORDINALITY AS i(tenant_id, kind, payload, priority, max_attempts, delay, idempotency_key,
+                           actor, meta, ord)
 ), clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), new_tenants AS (
-    INSERT INTO tenants (tenant_id)
+    INSERT INTO {schema}.tenants (tenant_id)
     SELECT DISTINCT tenant_id FROM input ORDER BY tenant_id
     ON CONFLICT (tenant_id) DO NOTHING
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+    INSERT INTO {schema}.queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
     SELECT tenant_id, priority, true, min(clock.now + make_interval(secs => delay)),
            CASE WHEN count(DISTINCT kind) FILTER (WHERE delay <= 0) > 64 THEN NULL
-                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE delay <= 0), '{}') END,
+                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE delay <= 0), ARRAY[]::text[]) END,
            coalesce(min(clock.now + make_interval(secs => delay)) FILTER (WHERE delay > 0), 'infinity')
     FROM input, clock
     GROUP BY tenant_id, priority
@@ -40,22 +46,23 @@ WITH input AS (
     ON CONFLICT (tenant_id, priority) DO UPDATE
         SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
             kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
-                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
+                         ELSE {schema}.queue_kinds(q.kinds, excluded.kinds) END,
             kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
                              ELSE excluded.kinds_due END
         WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
            OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 ), inserted AS (
-    INSERT INTO jobs (tenant_id, kind, payload, priority, max_attempts, run_after, idempotency_key, created_at)
+    INSERT INTO {schema}.jobs (tenant_id, kind, payload, priority, max_attempts, run_after, idempotency_key,
+                               created_at, actor, meta)
     SELECT i.tenant_id, i.kind, i.payload, i.priority, i.max_attempts,
-           clock.now + make_interval(secs => i.delay), i.idempotency_key, clock.now
+           clock.now + make_interval(secs => i.delay), i.idempotency_key, clock.now, i.actor, i.meta
     FROM input i, clock
     ORDER BY i.ord
     ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, tenant_id, idempotency_key
 ), wake_listeners AS (
-    -- delivered at commit, so a woken worker already sees the jobs; one
-    -- notification per statement
+    -- delivered at commit (nothing on rollback), so a woken worker already
+    -- sees the jobs; one notification per statement
     -- the payload tells workers whether interactive work arrived, which
     -- recalls slots lent out of the interactive reservation
     SELECT pg_notify(%(channel)s,
@@ -68,8 +75,9 @@ FROM inserted, (SELECT count(*) FROM wake_listeners) AS fired
 ORDER BY id;
 
 -- name: ids_by_key
+-- Qualified like `insert`, which it follows on the same connection.
 SELECT id, tenant_id, idempotency_key
-FROM jobs
+FROM {schema}.jobs
 WHERE (tenant_id, idempotency_key) IN (
     SELECT * FROM unnest(%(tenant_ids)s::text[], %(keys)s::text[])
 );
@@ -119,7 +127,7 @@ SET status = 'running', batch_id = b.batch_id, attempts = j.attempts + 1, starte
 FROM picked p, batch b, clock
 WHERE j.id = p.id
 RETURNING j.id, j.tenant_id, j.kind, j.payload::text AS payload_text, j.priority, j.attempts,
-          j.max_attempts, b.batch_id, b.lease_expires_at,
+          j.max_attempts, b.batch_id, b.lease_expires_at, j.actor, j.meta::text AS meta_text,
           -- isfinite: a run_after of '-infinity' (written by hand) cannot be subtracted
           CASE WHEN isfinite(j.run_after)
                THEN greatest(extract(epoch FROM clock.now - j.run_after), 0)::double precision
@@ -179,8 +187,16 @@ WITH clock AS (
                              ELSE excluded.kinds_due END
         WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
            OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
+), ended AS (
+    -- wakes `Queue.wait()` callers at commit: the ids of the jobs that ended
+    -- (client/listener.py; the channel is the schema's: Database.done_channel).
+    -- Past NOTIFY's 8000-byte payload limit, '*': every waiter re-checks.
+    SELECT pg_notify(left('tenantq_done_' || current_schema(), 63),
+                     CASE WHEN length(ids) <= 7900 THEN ids ELSE '*' END)
+    FROM (SELECT string_agg(id::text, ',') AS ids FROM settled WHERE status IN ('done', 'dead')) AS d
+    WHERE ids IS NOT NULL
 )
-SELECT id, status FROM settled;
+SELECT id, status FROM settled, (SELECT count(*) FROM ended) AS notified;
 
 -- name: release_unstarted
 -- Jobs of a batch that never started go back without losing the attempt
@@ -226,11 +242,20 @@ FROM jobs j
 LEFT JOIN batches b ON b.batch_id = j.batch_id
 WHERE j.id = %(id)s;
 
+-- name: status_of
+SELECT status FROM jobs WHERE id = %(id)s;
+
 -- name: cancel
-UPDATE jobs
-SET status = 'cancelled', finished_at = coalesce(%(now)s::timestamptz, now())
-WHERE id = %(id)s AND status = 'pending'
-RETURNING id;
+-- A cancelled job has ended: its waiters are woken at commit (see `settle`).
+WITH cancelled AS (
+    UPDATE jobs
+    SET status = 'cancelled', finished_at = coalesce(%(now)s::timestamptz, now())
+    WHERE id = %(id)s AND status = 'pending'
+    RETURNING id
+), ended AS (
+    SELECT pg_notify(left('tenantq_done_' || current_schema(), 63), id::text) FROM cancelled
+)
+SELECT id FROM cancelled, (SELECT count(*) FROM ended) AS notified;
 
 -- name: dead_list
 SELECT id, tenant_id, kind, priority, attempts, max_attempts, last_error, finished_at

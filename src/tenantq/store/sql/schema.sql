@@ -135,6 +135,13 @@ CREATE TABLE jobs (
     -- times sent back from dead (`tenantq dead retry`): attempts start again
     -- at 1, and the attempt history says which replay each belongs to
     replays         integer NOT NULL DEFAULT 0 CONSTRAINT replays_nonnegative CHECK (replays >= 0),
+    -- the security envelope (migration 0006): who the job was enqueued for,
+    -- and a small JSON object of request context; ctx.actor / ctx.meta
+    actor           text
+        CONSTRAINT actor_format CHECK (actor IS NULL OR (length(actor) BETWEEN 1 AND 200 AND actor !~ '[[:cntrl:]]')),
+    meta            jsonb
+        CONSTRAINT meta_is_object CHECK (meta IS NULL OR jsonb_typeof(meta) = 'object')
+        CONSTRAINT meta_size CHECK (meta IS NULL OR octet_length(meta::text) <= 4096),
     CONSTRAINT attempts_in_range CHECK (attempts BETWEEN 0 AND max_attempts),
     CONSTRAINT payload_size CHECK (octet_length(payload::text) <= 262144),
     CONSTRAINT running_has_lease CHECK ((status = 'running') = (batch_id IS NOT NULL)),
@@ -149,6 +156,10 @@ CREATE INDEX jobs_by_batch ON jobs (batch_id) WHERE batch_id IS NOT NULL;
 -- Dead-letter listing and replay per tenant.
 CREATE INDEX jobs_dead ON jobs (tenant_id, finished_at) WHERE status = 'dead';
 CREATE UNIQUE INDEX jobs_idempotency ON jobs (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL;
+-- Finding jobs (`tenantq jobs`, the dashboard's search): a tenant's jobs
+-- newest first, and a tenant's jobs of one actor.
+CREATE INDEX jobs_by_tenant ON jobs (tenant_id, created_at, id);
+CREATE INDEX jobs_by_actor ON jobs (tenant_id, actor, created_at) WHERE actor IS NOT NULL;
 
 -- Refused egress requests, attributed to the job that was running.
 CREATE TABLE egress_blocks (

@@ -1,0 +1,229 @@
+"""Every method of `Queue` and `AsyncQueue`, written once.
+
+Each is a generator of steps (store/steps.py, client/runner.py): it
+validates its arguments, yields the statements to run and decides between
+them, and never does I/O. `Queue` runs the steps on a sync connection,
+`AsyncQueue` awaits them on an async one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from tenantq.client.runner import Subscribe, Wait, atomic_operation, operation
+from tenantq.egress.policy import parse_rules
+from tenantq.errors import InvalidInput, JobNotFound, WaitTimeout
+from tenantq.store import jobs, validation, workers
+from tenantq.store.db import Database
+from tenantq.store.model import JobInfo, NewJob
+from tenantq.store.queries import sql
+from tenantq.store.steps import Query, Steps
+
+FINAL_STATUSES = ("done", "dead", "cancelled")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job for `Queue.enqueue_many`."""
+
+    tenant: str
+    kind: str
+    payload: Any = None
+    priority: str = "default"
+    max_attempts: int = 5
+    delay: float = 0.0
+    key: str | None = None
+    actor: str | None = None
+    meta: dict[str, Any] | None = None
+
+
+def _job_id(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
+        raise InvalidInput(f"job id must be a positive integer, got {value!r}")
+    return value
+
+
+class Operations:
+    """The methods; see `tenantq.Queue` for the class users construct."""
+
+    db: Database
+
+    # -- producing -------------------------------------------------------
+    @operation
+    def enqueue(
+        self,
+        tenant: str,
+        kind: str,
+        payload: Any = None,
+        *,
+        priority: str = "default",
+        max_attempts: int = 5,
+        delay: float = 0.0,
+        key: str | None = None,
+        actor: str | None = None,
+        meta: dict[str, Any] | None = None,
+        conn: Any = None,
+        now: datetime | None = None,
+    ) -> Steps[int]:
+        """Add one job; returns its id (the existing id if `key` was used before).
+
+        `actor` (who the job is for) and `meta` (a small JSON object of
+        request context) travel with the job: `ctx.actor`, `ctx.meta`.
+        With `conn` (your open connection: psycopg, SQLAlchemy or Django),
+        the job is written in your transaction: it exists, and wakes a
+        worker, only if you commit.
+        """
+        job = validation.new_job(tenant, kind, payload, priority_=priority, max_attempts_=max_attempts,
+                                 delay_=delay, key=key, actor_=actor, meta=meta)
+        ids = yield from jobs.insert_steps([job], schema=self.db.schema, channel=self.db.notify_channel,
+                                           now=now)
+        return ids[0]
+
+    @operation
+    def enqueue_many(
+        self, specs: Iterable[JobSpec | Mapping[str, Any]], *, conn: Any = None, now: datetime | None = None
+    ) -> Steps[list[int]]:
+        """Add many jobs in one statement; ids come back in input order.
+
+        Every job is validated first; one bad job rejects the whole call and
+        nothing is written. `conn`: as for `enqueue`.
+        """
+        validated: list[tuple[NewJob, str]] = []
+        for index, spec in enumerate(specs):
+            fields = spec if isinstance(spec, Mapping) else spec.__dict__
+            unknown = set(fields) - set(JobSpec.__dataclass_fields__)
+            if unknown:
+                raise InvalidInput(f"job {index}: unknown field(s) {', '.join(sorted(unknown))}")
+            try:
+                validated.append(validation.new_job(
+                    fields.get("tenant"), fields.get("kind"), fields.get("payload"),
+                    priority_=fields.get("priority", "default"),
+                    max_attempts_=fields.get("max_attempts", 5),
+                    delay_=fields.get("delay", 0.0), key=fields.get("key"),
+                    actor_=fields.get("actor"), meta=fields.get("meta"),
+                ))
+            except InvalidInput as exc:
+                raise InvalidInput(f"job {index}: {exc}") from None
+        return (yield from jobs.insert_steps(validated, schema=self.db.schema,
+                                             channel=self.db.notify_channel, now=now))
+
+    @operation
+    def cancel(self, job_id: int) -> Steps[bool]:
+        """Cancel a pending job. False if the job is no longer pending."""
+        return (yield from jobs.cancel_steps(_job_id(job_id)))
+
+    # -- waiting -----------------------------------------------------------
+    @operation
+    def wait(self, job_id: int, *, timeout: float | None = None) -> Steps[JobInfo]:
+        """The job once it has ended (done, dead or cancelled), as soon as it
+        ends: woken by the notification its settle sends, never by polling
+        (unless notifications are lost: client/listener.py). Raises
+        `tenantq.WaitTimeout` (a TimeoutError) when `timeout` seconds pass first."""
+        _job_id(job_id)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not math.isfinite(timeout) or timeout < 0):
+            raise InvalidInput(f"timeout must be a number of seconds, 0 or more, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiter = yield Subscribe(job_id)  # before reading the status: no end can slip between
+        while True:
+            status = yield from jobs.state_steps(job_id)
+            if status is None:
+                raise JobNotFound(f"no job with id {job_id}")
+            if status in FINAL_STATUSES:
+                return (yield from jobs.job_steps(job_id))
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise WaitTimeout(f"job {job_id} did not end within {timeout:g} s (it is {status})")
+            yield Wait(waiter, remaining)
+
+    # -- inspecting ------------------------------------------------------
+    @operation
+    def job(self, job_id: int) -> Steps[JobInfo]:
+        """Status, attempts, last error, result, the attempt history (and
+        more) of one job; for a pending one, why it waits."""
+        from tenantq.fairness.explain import why_waiting_steps
+
+        info = yield from jobs.job_steps(_job_id(job_id))
+        if info.status == "pending":
+            info.why_waiting.extend((yield from why_waiting_steps(info)))
+        return info
+
+    @operation
+    def status(self, tenant: str | None = None) -> Steps[list[dict[str, Any]]]:
+        """Per tenant and class: pending, runnable, running, done, dead, cancelled, oldest age."""
+        if tenant is not None:
+            validation.tenant_id(tenant)
+        rows: list[dict[str, Any]] = yield Query(sql("jobs", "status_counts"), {"tenant_id": tenant})
+        return rows
+
+    @operation
+    def tenants(self, tenant: str | None = None) -> Steps[list[dict[str, Any]]]:
+        """Weight, cap, live batches and DRR deficit per tenant."""
+        rows: list[dict[str, Any]] = yield Query(sql("tenants", "list"), {"tenant_id": tenant})
+        return rows
+
+    @operation
+    def running_batches(self) -> Steps[list[dict[str, Any]]]:
+        rows: list[dict[str, Any]] = yield Query(sql("batches", "live"))
+        return rows
+
+    @operation
+    def workers(self) -> Steps[list[dict[str, Any]]]:
+        """The live workers: id, host, pid, the kinds each claims (None: every
+        kind), sandbox driver, started and heartbeat times, and its executor's
+        failures in a row with the last error."""
+        return (yield from workers.live_steps())
+
+    @operation
+    def dead_jobs(self, tenant: str | None = None, *, limit: int = 100) -> Steps[list[dict[str, Any]]]:
+        if tenant is not None:
+            validation.tenant_id(tenant)
+        return (yield from jobs.dead_steps(tenant_id=tenant, limit=limit))
+
+    # -- operating ---------------------------------------------------------
+    @operation
+    def prune(self, *, older_than_seconds: float, limit: int = 1000) -> Steps[int]:
+        """Delete finished jobs (done, dead, cancelled) older than this, with
+        their attempt history; at most `limit` per call. Returns how many."""
+        if not (math.isfinite(older_than_seconds) and older_than_seconds >= 0):
+            raise InvalidInput(f"older-than must be 0 seconds or more, got {older_than_seconds}")
+        return (yield from jobs.prune_steps(keep_seconds=older_than_seconds, limit=max(1, limit)))
+
+    @atomic_operation
+    def retry_dead(
+        self, ids: Sequence[int] | None = None, *, tenant: str | None = None
+    ) -> Steps[list[int]]:
+        """Replay dead jobs: the given ids, or all (of one tenant) when ids is None."""
+        if tenant is not None:
+            validation.tenant_id(tenant)
+        return (yield from jobs.retry_dead_steps(ids=ids, tenant_id=tenant, channel=self.db.notify_channel))
+
+    @operation
+    def set_tenant(
+        self, tenant: str, *, weight: int | None = None, max_sandboxes: int | None = None,
+        egress: str | list[str] | None = None,
+    ) -> Steps[dict[str, Any]]:
+        """Set a tenant's weight, cap (max_sandboxes=0 removes the cap) and/or
+        egress rules ("api.stripe.com,*.salesforce.com:443"; "" = none)."""
+        validation.tenant_id(tenant)
+        rules = None if egress is None else [str(r) for r in parse_rules(egress)]
+        if weight is not None and not 1 <= weight <= 10000:
+            raise InvalidInput(f"weight must be between 1 and 10000, got {weight}")
+        if max_sandboxes is not None and max_sandboxes < 0:
+            raise InvalidInput(f"max-sandboxes must be 0 (no cap) or more, got {max_sandboxes}")
+        rows = yield Query(sql("tenants", "upsert"), {
+            "tenant_id": tenant, "weight": weight,
+            "max_sandboxes": max_sandboxes or None, "clear_cap": max_sandboxes == 0,
+            "egress": rules,
+        })
+        return dict(rows[0])
+
+    @atomic_operation
+    def reap(self) -> Steps[int]:
+        """Reap expired leases now; returns how many jobs went back (or died)."""
+        return len((yield from jobs.expire_steps()))

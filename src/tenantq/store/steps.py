@@ -1,0 +1,99 @@
+"""Store operations written once, run on a sync or an async connection.
+
+An operation is a generator that yields `Query` steps and receives each
+one's rows; it does no I/O itself (sans-I/O, as psycopg's own internals
+are written). `run` executes the steps on a `psycopg.Connection`, `arun` on
+a `psycopg.AsyncConnection`: the SQL, the parameters and the decisions
+between statements exist once, and `tenantq.Queue` and `tenantq.AsyncQueue`
+are two drivers of the same operations (client/runner.py adds the steps
+that wait for a notification).
+
+Each statement runs on a cursor of tenantq's own (`psycopg.Cursor(conn)`,
+rows as dicts, tenantq's JSON loader), never the connection's
+cursor_factory or row_factory: on a caller's connection (Django's, say,
+which loads jsonb as text and binds parameters client-side) tenantq's
+statements behave as on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg.rows import dict_row
+from psycopg.types.json import set_json_loads
+
+T = TypeVar("T")
+Rows = list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Query:
+    """One statement and its parameters; the step's answer is its rows
+    ([] for a statement that returns none)."""
+
+    text: str | pgsql.Composable
+    params: Mapping[str, Any] | None = None
+
+
+# an operation: yields Query (and, in client/, other steps), returns T
+Steps = Generator[Any, Any, T]
+
+
+def readable_json(text: str | bytes) -> Any:
+    """jsonb as read by tenantq: a value Python cannot decode (a payload
+    stored before enqueue refused deep nesting) shows as a note, never a crash."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return {"undecodable": "nested too deeply to show"}
+
+
+def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[dict[str, Any]]:
+    cur = psycopg.Cursor(conn, row_factory=dict_row)
+    set_json_loads(readable_json, cur)
+    return cur
+
+
+def async_cursor(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[dict[str, Any]]:
+    cur = psycopg.AsyncCursor(conn, row_factory=dict_row)
+    set_json_loads(readable_json, cur)
+    return cur
+
+
+def execute(conn: psycopg.Connection[Any], step: Query) -> Rows:
+    with cursor(conn) as cur:
+        cur.execute(step.text, step.params)  # type: ignore[arg-type]  # text is from the .sql files
+        return cur.fetchall() if cur.description is not None else []
+
+
+async def async_execute(conn: psycopg.AsyncConnection[Any], step: Query) -> Rows:
+    async with async_cursor(conn) as cur:
+        await cur.execute(step.text, step.params)  # type: ignore[arg-type]
+        return await cur.fetchall() if cur.description is not None else []
+
+
+def run(conn: psycopg.Connection[Any], steps: Steps[T], *, atomic: bool = False) -> T:
+    """Run an operation of Query steps on `conn`; with `atomic`, in one
+    transaction (a savepoint inside the caller's, if one is open)."""
+    if atomic:
+        with conn.transaction():
+            return run(conn, steps)
+    try:
+        step = next(steps)
+        while True:
+            if not isinstance(step, Query):
+                raise TypeError(f"store.steps.run runs Query steps only, got {type(step).__name__}")
+            try:
+                rows = execute(conn, step)
+            except psycopg.Error as exc:
+                # the operation may turn a database error into a one-line one
+                step = steps.throw(exc)
+            else:
+                step = steps.send(rows)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
