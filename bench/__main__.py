@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import boundary, chaos, egress, fairness, sandbox, scaling, throughput, warm
+from bench import boundary, chaos, egress, fairness, producer, sandbox, scaling, throughput, warm
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "warm": warm.run,
     "egress": egress.run,
     "boundary": boundary.run,
+    "producer": producer.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
@@ -26,6 +27,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "egress": {"n": 20, "setups": 5},
     "warm": {"n": 2, "jobs_per_size": {1: 4, 10: 20}},
     "boundary": {"drivers": ("process",)},
+    "producer": {"transactions": 20, "waits": 5, "waiters": 20},
     "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
 }
 
