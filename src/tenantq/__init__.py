@@ -22,7 +22,7 @@ from tenantq.errors import (
     TenantqError,
     WaitTimeout,
 )
-from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, warmup
+from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, periodic, warmup
 from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
@@ -58,5 +58,6 @@ __all__ = [
     "WaitTimeout",
     "__version__",
     "handler",
+    "periodic",
     "warmup",
 ]

@@ -18,6 +18,7 @@ from psycopg_pool import AsyncConnectionPool
 from tenantq.client.finding import Finding
 from tenantq.client.operations import JobSpec, Operations
 from tenantq.client.runner import AsyncRunner, SyncRunner
+from tenantq.client.scheduling import Scheduling
 from tenantq.errors import DatabaseUnavailable, TenantqError
 from tenantq.store.db import Database, Pool, _first_line, _redact
 from tenantq.store.migrate import MigrateReport, migrate
@@ -27,7 +28,7 @@ __all__ = ["AsyncQueue", "JobSpec", "Queue"]
 POOL_MIN, POOL_MAX = 1, 4
 
 
-class Queue(SyncRunner, Operations, Finding):
+class Queue(SyncRunner, Operations, Finding, Scheduling):
     """Enqueue, wait for and inspect jobs. Thread-safe; holds a small connection pool.
 
     `Queue()` uses TENANTQ_DATABASE_URL, or the embedded Postgres when unset.
@@ -57,7 +58,7 @@ class Queue(SyncRunner, Operations, Finding):
         self.close()
 
 
-class AsyncQueue(AsyncRunner, Operations, Finding):
+class AsyncQueue(AsyncRunner, Operations, Finding, Scheduling):
     """`Queue` for asyncio: the same methods, awaited.
 
         async with tenantq.AsyncQueue() as q:

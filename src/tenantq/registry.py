@@ -72,11 +72,25 @@ class Handler:
         return result
 
 
+@dataclass(frozen=True)
+class Periodic:
+    """`@tenantq.periodic`: run a handler on a cron schedule, for some tenants."""
+
+    func: HandlerFunc
+    cron: str
+    tenants: tuple[str, ...]
+    payload: Any
+    timezone: str
+    priority: str
+    max_attempts: int
+
+
 class Registry:
     """Kind -> handler. The module-level REGISTRY is what `handler` fills."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._periodics: list[Periodic] = []
         # warmup name -> the function when registered by decorator (None:
         # resolve "module:function" on first use), in registration order
         self._warmups: dict[str, Callable[[], Any] | None] = {}
@@ -113,6 +127,26 @@ class Registry:
         if not callable(target):
             raise InvalidInput(f"warmup {name!r} is not callable")
         return target  # type: ignore[no-any-return]
+
+    def add_periodic(self, declared: Periodic) -> None:
+        self._periodics.append(declared)
+
+    def periodic_schedules(self) -> list[Any]:
+        """The app's declared schedules (store.schedules.ScheduleSpec), one per
+        tenant; a @periodic function that is no handler is an InvalidInput."""
+        from tenantq.store.schedules import spec
+
+        kinds = {id(h.func): h.kind for h in self._handlers.values()}
+        out: list[Any] = []
+        for declared in self._periodics:
+            kind = kinds.get(id(declared.func))
+            if kind is None:
+                raise InvalidInput(f"@tenantq.periodic on {_name(declared.func)}: it is not a handler; "
+                                   "decorate it with @tenantq.handler(KIND) too")
+            out.extend(spec(tenant, kind, declared.cron, payload=declared.payload, timezone=declared.timezone,
+                            priority=declared.priority, max_attempts=declared.max_attempts, origin="app")
+                       for tenant in declared.tenants)
+        return out
 
     def get(self, kind: str) -> Handler | None:
         return self._handlers.get(kind)
@@ -171,6 +205,42 @@ def handler(
     def register(func: F) -> F:
         (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only,
                                            warmup, narrowed, process))
+        return func
+
+    return register
+
+
+def periodic(
+    cron: str,
+    *,
+    tenant: str | list[str] | tuple[str, ...],
+    payload: Any = None,
+    timezone: str = "UTC",
+    priority: str = "default",
+    max_attempts: int = 5,
+    registry: Registry | None = None,
+) -> Callable[[F], F]:
+    """Enqueue a job of this handler on a cron schedule (`"*/5 * * * *"`,
+    `"@daily"`), in `timezone`, for one tenant or a list of them. Stack it
+    on `@tenantq.handler(KIND)`. Every worker that loads the app keeps the
+    schedules in step (docs/periodic.md); one job per fire time, however
+    many workers run."""
+    from tenantq.store.cron import cron_expression, time_zone
+
+    expression, zone = cron_expression(cron), time_zone(timezone)
+    tenants = (tenant,) if isinstance(tenant, str) else tuple(tenant)
+    if not tenants:
+        raise InvalidInput("@tenantq.periodic needs at least one tenant")
+    for one in tenants:
+        validation.tenant_id(one)
+    validation.payload_object(payload)
+    validation.payload_json({} if payload is None else payload)
+    validation.priority(priority)
+    validation.max_attempts(max_attempts)
+
+    def register(func: F) -> F:
+        (registry or REGISTRY).add_periodic(Periodic(func, expression, tenants, payload, zone, priority,
+                                                     max_attempts))
         return func
 
     return register

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
-from tenantq.store import jobs, workers
-from tenantq.store.db import Pool
+from tenantq.store import jobs, schedules, workers
+from tenantq.store.db import Conn, Pool
 from tenantq.store.queries import sql
+from tenantq.store.steps import run
 
 if TYPE_CHECKING:
     from tenantq.dispatch.presence import Presence
+    from tenantq.registry import Registry
 
 log = logging.getLogger("tenantq.maintenance")
 
@@ -60,6 +62,18 @@ class LeaseBook:
     def is_lost(self, batch_id: int) -> bool:
         with self._lock:
             return batch_id in self._lost
+
+
+def sync_app_schedules(pool: Pool, registry: Registry | None, kinds: Iterable[str] | None) -> None:
+    """At a worker's start: store the schedules its app declares
+    (@tenantq.periodic) and drop the app schedules of its kinds that the
+    app no longer declares (a worker of another app leaves theirs alone)."""
+    declared = registry.periodic_schedules() if registry is not None else []
+    if not declared and kinds is None:
+        return
+    served = sorted(kinds) if kinds is not None else sorted({s.kind for s in declared})
+    with pool.connection() as conn:
+        run(conn, schedules.sync_app_steps(declared, served), atomic=True)
 
 
 class Maintenance(threading.Thread):
@@ -100,6 +114,14 @@ class Maintenance(threading.Thread):
             except psycopg.Error as exc:
                 log.warning("maintenance tick failed (%s); will retry", str(exc).strip()[:200])
 
+    def fire_schedules(self, conn: Conn) -> None:
+        """Enqueue the jobs of due schedules (store/schedules.py: one job per
+        fire time across every worker); a schedule fires within one tick."""
+        db = self.pool.db
+        fired = run(conn, schedules.fire_due_steps(schema=db.schema, channel=db.notify_channel), atomic=True)
+        if fired:
+            log.info("fired %d schedule(s): jobs %s", len(fired), [job for _, job in fired][:20])
+
     def tick(self) -> None:
         with self.pool.connection() as conn:
             held = self.leases.live()
@@ -116,6 +138,7 @@ class Maintenance(threading.Thread):
                 row = conn.execute(sql("queues", "interactive_runnable"), {"kinds": self.kinds}).fetchone()
                 if row is not None and row["waiting"]:
                     self.on_interactive()
+            self.fire_schedules(conn)
             reaped = jobs.expire_leases(conn)
             if reaped:
                 log.warning("reaped %d jobs from expired leases", len(reaped))

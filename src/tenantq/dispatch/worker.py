@@ -42,7 +42,7 @@ from typing import Any
 import psycopg
 
 from tenantq.dispatch.config import WorkerConfig, WorkerStats, default_worker_id
-from tenantq.dispatch.maintenance import LeaseBook, Maintenance
+from tenantq.dispatch.maintenance import LeaseBook, Maintenance, sync_app_schedules
 from tenantq.dispatch.outcome import first_line
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
 from tenantq.dispatch.settle import BatchRun, is_transient
@@ -126,7 +126,8 @@ class Worker:
             # jobs of a dead worker without waiting one tick
             if self.alerts.enabled:
                 self.alerts.start()
-            maintenance.tick()
+            sync_app_schedules(self._pool, getattr(self.executor, "registry", None), self.kinds)
+            maintenance.tick()  # fires due schedules too: `--once` drains what they enqueue
             if not cfg.once:
                 listener.start()
                 # wake-ups only work once LISTEN is in place; without it the

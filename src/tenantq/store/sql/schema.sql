@@ -23,7 +23,16 @@ CREATE TABLE tenants (
     max_sandboxes integer CONSTRAINT max_sandboxes_positive CHECK (max_sandboxes IS NULL OR max_sandboxes >= 1),
     created_at    timestamptz NOT NULL DEFAULT now(),
     -- hosts its sandboxed jobs may reach through the egress proxy; empty = none
-    egress        text[] NOT NULL DEFAULT '{}' CONSTRAINT egress_rule_count CHECK (cardinality(egress) <= 64)
+    egress        text[] NOT NULL DEFAULT '{}' CONSTRAINT egress_rule_count CHECK (cardinality(egress) <= 64),
+    -- paused: the pick skips its queues; running batches finish (NULL: not paused)
+    paused_at     timestamptz,
+    -- retention overrides in seconds (NULL: the worker's defaults)
+    retain_done_seconds double precision
+        CONSTRAINT retain_done_range CHECK (retain_done_seconds IS NULL OR (retain_done_seconds >= 0 AND retain_done_seconds < 'Infinity'::float8)),
+    retain_cancelled_seconds double precision
+        CONSTRAINT retain_cancelled_range CHECK (retain_cancelled_seconds IS NULL OR (retain_cancelled_seconds >= 0 AND retain_cancelled_seconds < 'Infinity'::float8)),
+    retain_dead_seconds double precision
+        CONSTRAINT retain_dead_range CHECK (retain_dead_seconds IS NULL OR (retain_dead_seconds >= 0 AND retain_dead_seconds < 'Infinity'::float8))
 );
 
 -- One row per (tenant, priority class) that ever had a job: the scheduler's
@@ -142,6 +151,10 @@ CREATE TABLE jobs (
     meta            jsonb
         CONSTRAINT meta_is_object CHECK (meta IS NULL OR jsonb_typeof(meta) = 'object')
         CONSTRAINT meta_size CHECK (meta IS NULL OR octet_length(meta::text) <= 4096),
+    -- who cancelled it; for a running job, when it was asked to stop (migration 0007)
+    cancelled_by    text
+        CONSTRAINT cancelled_by_format CHECK (cancelled_by IS NULL OR (length(cancelled_by) BETWEEN 1 AND 200 AND cancelled_by !~ '[[:cntrl:]]')),
+    cancel_requested_at timestamptz,
     CONSTRAINT attempts_in_range CHECK (attempts BETWEEN 0 AND max_attempts),
     CONSTRAINT payload_size CHECK (octet_length(payload::text) <= 262144),
     CONSTRAINT running_has_lease CHECK ((status = 'running') = (batch_id IS NOT NULL)),
@@ -160,6 +173,9 @@ CREATE UNIQUE INDEX jobs_idempotency ON jobs (tenant_id, idempotency_key) WHERE 
 -- newest first, and a tenant's jobs of one actor.
 CREATE INDEX jobs_by_tenant ON jobs (tenant_id, created_at, id);
 CREATE INDEX jobs_by_actor ON jobs (tenant_id, actor, created_at) WHERE actor IS NOT NULL;
+-- Retention: a tenant's finished jobs, oldest first (jobs_dead serves `dead`).
+CREATE INDEX jobs_done ON jobs (tenant_id, finished_at) WHERE status = 'done';
+CREATE INDEX jobs_cancelled ON jobs (tenant_id, finished_at) WHERE status = 'cancelled';
 
 -- Refused egress requests, attributed to the job that was running.
 CREATE TABLE egress_blocks (
@@ -223,3 +239,29 @@ CREATE TABLE attempts (
 -- Partial: a successful attempt is in neither index.
 CREATE INDEX attempts_failures ON attempts (finished_at) WHERE outcome IN ('failed', 'lost');
 CREATE INDEX attempts_failures_by_tenant ON attempts (tenant_id, finished_at) WHERE outcome IN ('failed', 'lost');
+
+-- Periodic jobs (migration 0007): one row per (tenant, schedule); see the
+-- migration for the firing protocol (one job per fire time).
+CREATE TABLE schedules (
+    schedule_id   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    tenant_id     text NOT NULL REFERENCES tenants (tenant_id) ON DELETE CASCADE,
+    name          text NOT NULL CONSTRAINT schedule_name_length CHECK (length(name) BETWEEN 1 AND 300),
+    kind          text NOT NULL CONSTRAINT schedule_kind_format CHECK (kind ~ '^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$'),
+    cron          text NOT NULL CONSTRAINT schedule_cron_length CHECK (length(cron) BETWEEN 1 AND 200),
+    timezone      text NOT NULL DEFAULT 'UTC' CONSTRAINT schedule_timezone_length CHECK (length(timezone) BETWEEN 1 AND 64),
+    payload       jsonb NOT NULL DEFAULT '{}'
+        CONSTRAINT schedule_payload_is_object CHECK (jsonb_typeof(payload) = 'object')
+        CONSTRAINT schedule_payload_size CHECK (octet_length(payload::text) <= 262144),
+    priority      text NOT NULL DEFAULT 'default'
+        CONSTRAINT schedule_priority_known CHECK (priority IN ('interactive', 'default', 'bulk')),
+    max_attempts  integer NOT NULL DEFAULT 5 CONSTRAINT schedule_max_attempts_range CHECK (max_attempts BETWEEN 1 AND 1000),
+    -- 'app': declared by @tenantq.periodic, kept in step by the workers; 'db': added at run time
+    origin        text NOT NULL CONSTRAINT schedule_origin_known CHECK (origin IN ('app', 'db')),
+    paused        boolean NOT NULL DEFAULT false,
+    next_fire_at  timestamptz NOT NULL,
+    last_fire_at  timestamptz,
+    last_job_id   bigint,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT schedule_name_unique UNIQUE (tenant_id, name)
+);
+CREATE INDEX schedules_due ON schedules (next_fire_at) WHERE NOT paused;
