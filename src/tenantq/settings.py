@@ -60,6 +60,19 @@ class Settings(BaseSettings):
         description="A CA file the egress proxy trusts for upstream TLS besides the system's (private CAs).",
     )
 
+    # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
+    retain_done: str = Field(default="7d", description="How long done jobs are kept.")
+    retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")
+    retain_dead: str = Field(default="30d", description="How long dead jobs are kept.")
+
+    def retention(self) -> dict[str, float]:
+        """Seconds per final status (InvalidInput, one line, for a bad value)."""
+        from tenantq.store.validation import duration
+
+        return {"done": duration(self.retain_done, "TENANTQ_RETAIN_DONE"),
+                "cancelled": duration(self.retain_cancelled, "TENANTQ_RETAIN_CANCELLED"),
+                "dead": duration(self.retain_dead, "TENANTQ_RETAIN_DEAD")}
+
     def egress_networks(self) -> list[str]:
         return [n.strip() for n in self.egress_allow_networks.split(",") if n.strip()]
 

@@ -133,7 +133,10 @@ def _finish_old_jobs(db: Database, when: datetime) -> None:
                      {"when": when})
 
 
-def test_prune_takes_a_jobs_history_with_it(queue: Queue, db: Database) -> None:
+def test_prune_takes_a_jobs_history_with_it(queue: Queue, db: Database,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # the workers of this test must not prune on their own (retention)
+    monkeypatch.setenv("TENANTQ_RETAIN_DONE", "365d")
     old = queue.enqueue("acme", "demo.flaky", {"succeed_on": 2})
     drain(db)
     _finish_old_jobs(db, db_now(db) - timedelta(days=30))
@@ -141,10 +144,12 @@ def test_prune_takes_a_jobs_history_with_it(queue: Queue, db: Database) -> None:
     waiting = queue.enqueue("acme", "demo.noop", delay=3600)
     drain(db)
     assert scalar(db, "SELECT count(*) FROM attempts WHERE job_id = %(id)s", {"id": old}) == 2
-    assert queue.prune(older_than_seconds=7 * 86400) == 1
+    assert queue.prune(older_than_seconds=7 * 86400, dry_run=True) == {"done": 1}
+    assert scalar(db, "SELECT count(*) FROM jobs WHERE id = %(id)s", {"id": old}) == 1, "a dry run deletes nothing"
+    assert queue.prune(older_than_seconds=7 * 86400) == {"done": 1}
     assert {r["id"] for r in fetch_all(db, "SELECT id FROM jobs")} == {young, waiting}
     assert {r["job_id"] for r in fetch_all(db, "SELECT job_id FROM attempts")} == {young}
-    assert queue.prune(older_than_seconds=7 * 86400) == 0
+    assert queue.prune(older_than_seconds=7 * 86400) == {}
 
 
 @pytest.mark.parametrize(("statement", "constraint"), [

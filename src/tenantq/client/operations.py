@@ -25,6 +25,8 @@ from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps
 
 FINAL_STATUSES = ("done", "dead", "cancelled")
+# rows deleted per prune statement: small, so locks are few and short
+PRUNE_CHUNK = 1000
 
 
 @dataclass(frozen=True)
@@ -187,12 +189,31 @@ class Operations:
 
     # -- operating ---------------------------------------------------------
     @operation
-    def prune(self, *, older_than_seconds: float, limit: int = 1000) -> Steps[int]:
-        """Delete finished jobs (done, dead, cancelled) older than this, with
-        their attempt history; at most `limit` per call. Returns how many."""
-        if not (math.isfinite(older_than_seconds) and older_than_seconds >= 0):
-            raise InvalidInput(f"older-than must be 0 seconds or more, got {older_than_seconds}")
-        return (yield from jobs.prune_steps(keep_seconds=older_than_seconds, limit=max(1, limit)))
+    def prune(self, *, older_than_seconds: float | None = None, dry_run: bool = False,
+              limit: int = 10_000) -> Steps[dict[str, int]]:
+        """Delete finished jobs past their retention (TENANTQ_RETAIN_DONE,
+        _CANCELLED, _DEAD, or the tenant's own; `older_than_seconds`
+        overrides them all), with their attempt history, in chunks of 1,000
+        up to `limit`. Returns how many went by status; with dry_run, how
+        many would (nothing is deleted)."""
+        from tenantq.settings import Settings
+
+        if older_than_seconds is not None:
+            older_than_seconds = validation.duration(older_than_seconds, "older-than")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidInput(f"limit must be a positive integer, got {limit!r}")
+        retention = Settings().retention()
+        total: dict[str, int] = {}
+        while sum(total.values()) < limit:
+            # a dry run deletes nothing, so it counts in one statement
+            chunk = limit if dry_run else min(PRUNE_CHUNK, limit - sum(total.values()))
+            went = yield from jobs.prune_steps(retention=retention, older_than=older_than_seconds,
+                                               limit=chunk, dry_run=dry_run)
+            for status, count in went.items():
+                total[status] = total.get(status, 0) + count
+            if dry_run or sum(went.values()) < chunk:
+                break
+        return total
 
     @atomic_operation
     def retry_dead(
@@ -221,6 +242,14 @@ class Operations:
             "max_sandboxes": max_sandboxes or None, "clear_cap": max_sandboxes == 0,
             "egress": rules,
         })
+        return dict(rows[0])
+
+    @operation
+    def pause_tenant(self, tenant: str, *, paused: bool = True) -> Steps[dict[str, Any]]:
+        """Pause a tenant (paused=False: resume it): no new batch of its jobs
+        starts; running batches finish; enqueueing goes on."""
+        validation.tenant_id(tenant)
+        rows = yield Query(sql("tenants", "set_paused"), {"tenant_id": tenant, "paused": paused})
         return dict(rows[0])
 
     @atomic_operation

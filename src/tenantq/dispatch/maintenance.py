@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 
+from tenantq.observe import metrics
+from tenantq.settings import Settings
 from tenantq.store import jobs, schedules, workers
 from tenantq.store.db import Conn, Pool
 from tenantq.store.queries import sql
@@ -29,6 +31,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tenantq.maintenance")
 
 REPAIR_EVERY_SECONDS = 60.0
+# retention: how often a worker prunes finished jobs, in chunks of
+# PRUNE_CHUNK rows, for at most PRUNE_BUDGET_SECONDS per round (the rest
+# goes next round: a backlog never holds the maintenance thread for long)
+PRUNE_JOBS_EVERY_SECONDS = 60.0
+PRUNE_CHUNK = 1000
+PRUNE_BUDGET_SECONDS = 2.0
 SANDBOX_REAP_EVERY_SECONDS = 10.0
 PRUNE_EVERY_SECONDS = 3600.0
 KEEP_ENDED_BATCHES_SECONDS = 7 * 24 * 3600.0
@@ -106,6 +114,8 @@ class Maintenance(threading.Thread):
         self.interval = max(0.05, lease_seconds / 3)
         self._last_repair = 0.0
         self._last_prune = 0.0
+        self._last_job_prune = 0.0
+        self.retention = Settings().retention()
 
     def run(self) -> None:
         while not self.stopping.wait(self.interval):
@@ -121,6 +131,22 @@ class Maintenance(threading.Thread):
         fired = run(conn, schedules.fire_due_steps(schema=db.schema, channel=db.notify_channel), atomic=True)
         if fired:
             log.info("fired %d schedule(s): jobs %s", len(fired), [job for _, job in fired][:20])
+
+    def prune_jobs(self, conn: Conn) -> dict[str, int]:
+        """Retention: delete finished jobs past their window, chunk by chunk
+        (each its own short transaction), within the round's time budget."""
+        total: dict[str, int] = {}
+        deadline = time.monotonic() + PRUNE_BUDGET_SECONDS
+        while not self.stopping.is_set():
+            went = run(conn, jobs.prune_steps(retention=self.retention, limit=PRUNE_CHUNK))
+            for status, count in went.items():
+                total[status] = total.get(status, 0) + count
+                metrics.PRUNED.labels(status).inc(count)
+            if sum(went.values()) < PRUNE_CHUNK or time.monotonic() >= deadline:
+                break
+        if total:
+            log.info("pruned %s finished job(s) past their retention", total)
+        return total
 
     def tick(self) -> None:
         with self.pool.connection() as conn:
@@ -158,6 +184,9 @@ class Maintenance(threading.Thread):
             if now - self._last_repair >= REPAIR_EVERY_SECONDS:
                 self._last_repair = now
                 conn.execute(sql("queues", "repair"))
+            if now - self._last_job_prune >= PRUNE_JOBS_EVERY_SECONDS:
+                self._last_job_prune = now
+                self.prune_jobs(conn)
             if now - self._last_prune >= PRUNE_EVERY_SECONDS:
                 self._last_prune = now
                 conn.execute(sql("batches", "prune"), {"keep_seconds": KEEP_ENDED_BATCHES_SECONDS,

@@ -37,6 +37,9 @@ def reasons(job: JobInfo, row: dict[str, Any], workers: Sequence[dict[str, Any]]
     if workers is not None:
         serving = [w for w in workers if worker_registry.serves(w, job.kind)]
         out.extend(_worker_reasons(job, workers, serving))
+    if row.get("paused_at") is not None:
+        out.append(f"tenant {job.tenant_id} is paused (since {row['paused_at']:%Y-%m-%d %H:%M:%S %Z}; "
+                   f"tenantq tenant resume {job.tenant_id})")
     future = float(row["future_seconds"] or 0)
     if future > 0:
         why = "retry backoff after a failed attempt" if job.attempts else "it was enqueued with a delay"

@@ -50,6 +50,8 @@ BATCH_OUTCOMES = Counter("tenantq_batch_outcomes_total", "Batches by how their s
                          ["driver", "reason"], registry=REGISTRY)
 JOB_OUTCOMES = Counter("tenantq_job_outcomes_total", "Settled attempts by outcome (done, retry, dead).",
                        ["priority", "outcome"], registry=REGISTRY)
+PRUNED = Counter("tenantq_pruned_jobs_total", "Finished jobs deleted by retention, by status.", ["status"],
+                 registry=REGISTRY)
 DEAD_LETTERED = Counter("tenantq_dead_letter_total", "Jobs that reached dead.", ["priority"],
                         registry=REGISTRY)
 

@@ -374,8 +374,13 @@ def retry_dead_steps(
     return sorted(int(str(r["id"])) for r in rows)
 
 
-def prune_steps(*, keep_seconds: float, limit: int = 1000, now: datetime | None = None) -> Steps[int]:
-    """Delete finished jobs older than `keep_seconds`, with their attempt
-    history; at most `limit` per call. Returns how many went."""
-    rows = yield Query(sql("jobs", "prune"), {"keep_seconds": keep_seconds, "limit": limit, "now": now})
-    return len(rows)
+def prune_steps(*, retention: dict[str, float], older_than: float | None = None, limit: int = 1000,
+                dry_run: bool = False, now: datetime | None = None) -> Steps[dict[str, int]]:
+    """Delete finished jobs past their retention window (per tenant, else
+    `retention`: seconds per final status; `older_than` overrides every
+    window), with their attempt history and refused-egress rows; at most
+    `limit` per call. Returns how many went (with dry_run: would go), by status."""
+    rows = yield Query(sql("jobs", "prune"), {
+        "done": retention["done"], "cancelled": retention["cancelled"], "dead": retention["dead"],
+        "older_than": older_than, "limit": limit, "dry_run": dry_run, "now": now})
+    return {str(r["status"]): int(str(r["n"])) for r in rows}

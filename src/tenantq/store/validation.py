@@ -268,3 +268,24 @@ def new_job(
         meta_json=meta_json(meta),
     )
     return job, text
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+MAX_DURATION_SECONDS = 100 * 365 * 86400.0
+
+
+def duration(value: object, what: str) -> float:
+    """Seconds from `30`, `30s`, `15m`, `1h`, `7d` or `2w` (or a number)."""
+    if isinstance(value, bool):
+        raise InvalidInput(f"{what} must be a duration such as 30s, 15m, 1h or 7d, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.fullmatch(str(value))
+        if match is None:
+            raise InvalidInput(f"{what} must be a duration such as 30s, 15m, 1h or 7d, got {_shown(value)}")
+        seconds = float(match[1]) * _UNIT_SECONDS[match[2]]
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_DURATION_SECONDS:
+        raise InvalidInput(f"{what} must be between 0 s and 100 years, got {_shown(value)}")
+    return seconds

@@ -3,7 +3,7 @@
 
 -- name: job
 SELECT extract(epoch FROM j.run_after - now())::double precision AS future_seconds,
-       t.max_sandboxes, t.weight,
+       t.max_sandboxes, t.weight, t.paused_at,
        q.deficit, q.has_work,
        (SELECT count(*) FROM batches b
         WHERE b.tenant_id = j.tenant_id AND b.ended_at IS NULL AND b.lease_expires_at > now()) AS live_batches,

@@ -312,21 +312,53 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: prune
--- Finished jobs (done, dead, cancelled) older than %(keep_seconds)s go,
--- and their attempt history with them, in one statement. At most
--- %(limit)s jobs per call, so a large backlog is pruned in steps that do
--- not hold many locks for long.
-WITH doomed AS (
-    SELECT id, tenant_id FROM jobs
-    WHERE status IN ('done', 'dead', 'cancelled')
-      AND finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(keep_seconds)s)
-    ORDER BY finished_at
+-- Retention: finished jobs whose window has passed go, with their attempt
+-- history and refused-egress rows, at most %(limit)s per statement, so a
+-- large backlog goes in small steps that hold few locks for a short time
+-- and never block claims (which touch only pending rows).
+-- Each tenant has its own windows (tenants.retain_*_seconds, else the
+-- defaults passed in; %(older_than)s, when given, overrides them all), so
+-- the scan walks tenants and, per tenant and final status, the partial
+-- index on (tenant_id, finished_at) of that status, oldest first: a
+-- tenant whose window is long costs its probes, never a walk over its rows.
+-- FOR UPDATE cannot go with UNION: the rows are locked in `doomed`, SKIP
+-- LOCKED so a row someone else holds (a replay) waits for the next round.
+-- With %(dry_run)s nothing is deleted; the count of what would go comes back.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), expired AS (
+    SELECT e.id
+    FROM tenants t, clock,
+    LATERAL (
+        (SELECT id FROM jobs
+         WHERE tenant_id = t.tenant_id AND status = 'done'
+           AND finished_at < clock.now - make_interval(secs => coalesce(%(older_than)s, t.retain_done_seconds, %(done)s))
+         ORDER BY finished_at LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id FROM jobs
+         WHERE tenant_id = t.tenant_id AND status = 'cancelled'
+           AND finished_at < clock.now - make_interval(secs => coalesce(%(older_than)s, t.retain_cancelled_seconds, %(cancelled)s))
+         ORDER BY finished_at LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id FROM jobs
+         WHERE tenant_id = t.tenant_id AND status = 'dead'
+           AND finished_at < clock.now - make_interval(secs => coalesce(%(older_than)s, t.retain_dead_seconds, %(dead)s))
+         ORDER BY finished_at LIMIT %(limit)s)
+    ) AS e
     LIMIT %(limit)s
+), doomed AS (
+    SELECT j.id, j.tenant_id, j.status FROM jobs j
+    WHERE j.id IN (SELECT id FROM expired) AND j.status IN ('done', 'dead', 'cancelled')
     FOR UPDATE SKIP LOCKED
 ), history AS (
     DELETE FROM attempts a USING doomed d
-    WHERE a.tenant_id = d.tenant_id AND a.job_id = d.id
+    WHERE NOT %(dry_run)s AND a.tenant_id = d.tenant_id AND a.job_id = d.id
+), blocks AS (
+    DELETE FROM egress_blocks b USING doomed d
+    WHERE NOT %(dry_run)s AND b.tenant_id = d.tenant_id AND b.job_id = d.id
+), deleted AS (
+    DELETE FROM jobs j USING doomed d
+    WHERE NOT %(dry_run)s AND j.id = d.id
+    RETURNING j.status
 )
-DELETE FROM jobs j USING doomed d
-WHERE j.id = d.id
-RETURNING j.id;
+SELECT d.status, count(*) AS n FROM doomed d GROUP BY d.status;

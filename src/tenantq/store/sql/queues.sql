@@ -59,14 +59,16 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- run (NULL: any); a queue whose kinds hint holds none of them is not a
 -- candidate (see "The kinds hint" above). It is a filter on the rows of the
 -- same index scan (LIMIT counts the rows that pass), so the index and its
--- order are unchanged.
+-- order are unchanged. A paused tenant (tenants.paused_at) is no
+-- candidate: its queues keep their work and their place, and nothing else
+-- waits for it.
 (SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
                AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
  FROM queues q JOIN tenants t USING (tenant_id)
- WHERE q.priority = %(priority)s AND q.has_work
+ WHERE q.priority = %(priority)s AND q.has_work AND t.paused_at IS NULL
    AND q.tenant_id >= (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
    AND (%(kinds)s::text[] IS NULL OR q.kinds IS NULL OR q.kinds && %(kinds)s::text[]
@@ -79,7 +81,7 @@ UNION ALL
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
                AND b.lease_expires_at > coalesce(%(now)s::timestamptz, now())) END AS live
  FROM queues q JOIN tenants t USING (tenant_id)
- WHERE q.priority = %(priority)s AND q.has_work
+ WHERE q.priority = %(priority)s AND q.has_work AND t.paused_at IS NULL
    AND q.tenant_id < (SELECT cursor_tenant FROM scheduler WHERE priority = %(priority)s)
    AND q.next_run_at <= coalesce(%(now)s::timestamptz, now())
    AND (%(kinds)s::text[] IS NULL OR q.kinds IS NULL OR q.kinds && %(kinds)s::text[]

@@ -12,8 +12,18 @@ SET weight = coalesce(%(weight)s, t.weight),
     egress = coalesce(%(egress)s::text[], t.egress)
 RETURNING tenant_id, weight, max_sandboxes, egress;
 
+-- name: set_paused
+-- `tenantq tenant pause|resume`: the pick skips a paused tenant's queues
+-- (queues.sql `candidates`); batches already running finish. Pausing a
+-- tenant that has no row yet creates it paused.
+INSERT INTO tenants AS t (tenant_id, paused_at)
+VALUES (%(tenant_id)s, CASE WHEN %(paused)s THEN now() END)
+ON CONFLICT (tenant_id) DO UPDATE
+SET paused_at = CASE WHEN %(paused)s THEN coalesce(t.paused_at, now()) END
+RETURNING tenant_id, paused_at;
+
 -- name: list
-SELECT t.tenant_id, t.weight, t.max_sandboxes, t.egress,
+SELECT t.tenant_id, t.weight, t.max_sandboxes, t.egress, t.paused_at,
        (SELECT count(*) FROM batches b
         WHERE b.tenant_id = t.tenant_id AND b.ended_at IS NULL AND b.lease_expires_at > now()) AS live_batches,
        (SELECT coalesce(sum(q.deficit), 0) FROM queues q WHERE q.tenant_id = t.tenant_id) AS deficit
