@@ -8,6 +8,7 @@ import inspect
 import os
 import sys
 import sysconfig
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,31 @@ Isolation = Literal["sandbox", "inline"]
 Process = Literal["job", "batch"]
 
 
+class Cancellation:
+    """`ctx.cancelled`: true once the job was asked to stop (`tenantq cancel`).
+
+    An inline handler that runs long checks it (`if ctx.cancelled: return`,
+    or `ctx.cancelled.wait(5)` instead of a sleep) and returns early; its job
+    then ends `cancelled` whatever it returns. A sandboxed job is not asked:
+    its process is killed."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __bool__(self) -> bool:
+        return self._event.is_set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep up to `timeout` seconds, waking early (True) when cancelled."""
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        self._event.set()
+
+
 @dataclass(frozen=True)
 class JobContext:
     """What a handler knows about the job it runs."""
@@ -38,6 +64,7 @@ class JobContext:
     # (None: nobody said) and the request's context (a small JSON object)
     actor: str | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
+    cancelled: Cancellation = field(default_factory=Cancellation)
 
 
 HandlerFunc = Callable[[Any, JobContext], Any]

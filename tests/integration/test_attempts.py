@@ -145,7 +145,8 @@ def test_prune_takes_a_jobs_history_with_it(queue: Queue, db: Database,
     drain(db)
     assert scalar(db, "SELECT count(*) FROM attempts WHERE job_id = %(id)s", {"id": old}) == 2
     assert queue.prune(older_than_seconds=7 * 86400, dry_run=True) == {"done": 1}
-    assert scalar(db, "SELECT count(*) FROM jobs WHERE id = %(id)s", {"id": old}) == 1, "a dry run deletes nothing"
+    assert scalar(db, "SELECT count(*) FROM jobs WHERE id = %(id)s", {"id": old}) == 1, \
+        "a dry run deletes nothing"
     assert queue.prune(older_than_seconds=7 * 86400) == {"done": 1}
     assert {r["id"] for r in fetch_all(db, "SELECT id FROM jobs")} == {young, waiting}
     assert {r["job_id"] for r in fetch_all(db, "SELECT job_id FROM attempts")} == {young}

@@ -230,8 +230,9 @@ def test_cancel_works_only_for_pending_jobs(queue: Queue, db: Database, conn: Co
     row = _rows(db, [pending])[0]
     assert row["status"] == "cancelled" and row["finished_at"] is not None
     assert queue.cancel(pending) is False, "already cancelled"
-    assert queue.cancel(running) is False
-    assert _rows(db, [running])[0]["status"] == "running"
+    assert queue.cancel(running, by="usr_1") is True, "a running job is asked to stop"
+    assert _rows(db, [running])[0]["status"] == "running", "its worker stops and settles it"
+    assert queue.job(running).cancelled_by == "usr_1" and queue.job(running).cancel_requested_at is not None
     jobs.settle(conn, batch.batch_id, [_done(running)], end_outcome="ok", now=at(t0, 2))
     assert jobs.cancel(conn, running) is False
     assert _rows(db, [running])[0]["status"] == "done"

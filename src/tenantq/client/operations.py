@@ -115,9 +115,14 @@ class Operations:
                                              channel=self.db.notify_channel, now=now))
 
     @operation
-    def cancel(self, job_id: int) -> Steps[bool]:
-        """Cancel a pending job. False if the job is no longer pending."""
-        return (yield from jobs.cancel_steps(_job_id(job_id)))
+    def cancel(self, job_id: int, *, by: str | None = None) -> Steps[bool]:
+        """Cancel a job: a pending one ends `cancelled` now; a running one is
+        stopped by its worker (a sandboxed job killed, an inline handler told
+        through `ctx.cancelled`) and ends `cancelled` within about a second
+        (docs/controls.md). `by`: who cancelled it (shown by `tenantq job`).
+        False if the job had already ended."""
+        return (yield from jobs.cancel_steps(_job_id(job_id), by=validation.actor(by),
+                                             channel=self.db.notify_channel))
 
     # -- waiting -----------------------------------------------------------
     @operation

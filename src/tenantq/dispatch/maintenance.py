@@ -25,6 +25,7 @@ from tenantq.store.queries import sql
 from tenantq.store.steps import run
 
 if TYPE_CHECKING:
+    from tenantq.dispatch.cancels import CancelBook
     from tenantq.dispatch.presence import Presence
     from tenantq.registry import Registry
 
@@ -72,6 +73,14 @@ class LeaseBook:
             return batch_id in self._lost
 
 
+def driver_reaper(executor: object) -> Callable[[], list[str]] | None:
+    """A sandboxed executor reaps sandboxes past their TTL (and old snapshots)."""
+    reap = getattr(executor, "reap", None)
+    if not callable(reap):
+        reap = getattr(getattr(executor, "driver", None), "reap", None)
+    return reap if callable(reap) else None
+
+
 def sync_app_schedules(pool: Pool, registry: Registry | None, kinds: Iterable[str] | None) -> None:
     """At a worker's start: store the schedules its app declares
     (@tenantq.periodic) and drop the app schedules of its kinds that the
@@ -97,6 +106,7 @@ class Maintenance(threading.Thread):
         reap_sandboxes: Callable[[], list[str]] | None = None,
         presence: Presence | None = None,
         kinds: Iterable[str] | None = None,
+        cancels: CancelBook | None = None,
     ) -> None:
         super().__init__(name="tenantq-maintenance", daemon=True)
         self.pool = pool
@@ -107,6 +117,7 @@ class Maintenance(threading.Thread):
         self.on_interactive = on_interactive
         self.reap_sandboxes = reap_sandboxes
         self.presence = presence
+        self.cancels = cancels
         # interactive work of these kinds recalls lent slots (None: any)
         self.kinds = None if kinds is None else sorted(kinds)
         self._last_sandbox_reap = 0.0
@@ -157,6 +168,10 @@ class Maintenance(threading.Thread):
                 if lost:
                     log.warning("lost leases %s: their results will be refused", sorted(lost))
                     self.leases.mark_lost(lost)
+                if self.cancels is not None:
+                    # the fallback for a missed 'cancel:' notification
+                    for batch_id, job_id in run(conn, jobs.cancel_requests_steps(held)):
+                        self.cancels.request(batch_id, job_id)
             if self.presence is not None:
                 self.presence.beat(conn)
             if self.on_interactive is not None:

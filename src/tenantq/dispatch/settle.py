@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tenantq.dispatch.worker import Worker
 
 log = logging.getLogger("tenantq.worker")
-OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead"}
+OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead", "cancelled": "cancelled"}
 
 # SQLSTATE classes worth retrying: 08 connection exception, 40 transaction
 # rollback (serialization failure, deadlock), 53 insufficient resources (too
@@ -148,7 +148,12 @@ class BatchRun:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
         self._run_histogram.observe(seconds, metrics.exemplar(job.id, job.tenant_id, job.actor))
         backoff = self.worker.config.backoff
-        if event.ok:
+        if self.worker.cancels.requested(job_id):
+            # the host's own record of the request decides, whatever the
+            # executor reported (rule H2); the attempt ends `cancelled`
+            self.pending.append(Settlement(job_id, "cancelled",
+                                           error=f"cancelled while running: {_ended(event)}"))
+        elif event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
         else:
             self.pending.append(failed(job, str(event.error or "failed"), backoff=backoff,
@@ -187,6 +192,13 @@ class BatchRun:
 
     def finish(self, outcome: str) -> None:
         unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
+        # a job cancelled before its turn came ends cancelled, not back in the queue
+        for job_id in [j for j in unstarted if self.worker.cancels.requested(j)]:
+            unstarted.remove(job_id)
+            self.started.add(job_id)
+            self.ended.add(job_id)
+            self.pending.append(Settlement(job_id, "cancelled", error="cancelled before it started"))
+        self.worker.cancels.forget(self.jobs)
         # a job that started and never reported an end (the runner died on it)
         self.fail_running("the runner stopped before the job ended")
         if unstarted and outcome == "ok":
@@ -367,3 +379,11 @@ class BatchRun:
                             job.tenant_id, job.actor or "-", job.attempt,
                             extra={"job_id": job.id, "tenant": job.tenant_id, "kind": job.kind,
                                    "actor": job.actor, "meta": job.meta})
+
+
+def _ended(event: JobEnded) -> str:
+    """How a cancelled job's run ended, for its attempt's record."""
+    if event.ok:
+        return "it had finished (its result is dropped)"
+    first = str(event.error or "stopped").strip().splitlines()
+    return first[0][:200] if first else "stopped"

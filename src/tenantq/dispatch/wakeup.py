@@ -16,6 +16,7 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql as pgsql
 
+from tenantq.dispatch.cancels import parse_notification
 from tenantq.store.db import Database
 
 log = logging.getLogger("tenantq.wakeup")
@@ -52,9 +53,11 @@ class Listener(threading.Thread):
         stopping: threading.Event,
         *,
         on_interactive: Callable[[], None] | None = None,
+        on_cancel: Callable[[int, int], object] | None = None,
     ) -> None:
         super().__init__(name="tenantq-listener", daemon=True)
         self.on_interactive = on_interactive
+        self.on_cancel = on_cancel
         self.db = db
         self.wakeup = wakeup
         self.stopping = stopping
@@ -72,6 +75,12 @@ class Listener(threading.Thread):
                     self.wakeup.fire()
                     while not self.stopping.is_set():
                         for note in conn.notifies(timeout=0.5, stop_after=1):
+                            if note.payload.startswith("cancel:"):
+                                # a running job asked to stop (dispatch/cancels.py), not new work
+                                target = parse_notification(note.payload)
+                                if target is not None and self.on_cancel is not None:
+                                    self.on_cancel(*target)
+                                continue
                             if note.payload == "interactive" and self.on_interactive is not None:
                                 self.on_interactive()
                             self.wakeup.fire()

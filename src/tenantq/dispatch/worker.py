@@ -41,12 +41,14 @@ from typing import Any
 
 import psycopg
 
+from tenantq.dispatch.cancels import CancelBook
 from tenantq.dispatch.config import WorkerConfig, WorkerStats, default_worker_id
-from tenantq.dispatch.maintenance import LeaseBook, Maintenance, sync_app_schedules
+from tenantq.dispatch.maintenance import LeaseBook, Maintenance, driver_reaper, sync_app_schedules
 from tenantq.dispatch.outcome import first_line
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
 from tenantq.dispatch.settle import BatchRun, is_transient
 from tenantq.dispatch.wakeup import Listener, Wakeup
+from tenantq.errors import TenantqError
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.slots import class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
@@ -99,6 +101,8 @@ class Worker:
         self.interactive_waiting = threading.Event()
         self.reserved = reserved_slots(self.config.concurrency, self.config.interactive_share)
         self._pool: Pool | None = None
+        # cancel requests for jobs of its live batches (dispatch/cancels.py)
+        self.cancels = CancelBook(self.leases.live, getattr(executor, "cancel", None))
         # the kinds it claims (None: every kind, for an executor that does not say)
         self.kinds = executor_kinds(executor)
         require_kinds(self.kinds, executor)
@@ -112,13 +116,13 @@ class Worker:
         cfg = self.config
         self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id, check=False)
         listener = Listener(self.db, self.wakeup, self.stopping,
-                            on_interactive=self._interactive_notified)
+                            on_interactive=self._interactive_notified, on_cancel=self.cancels.request)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
                                   stopping=self.stopping,
                                   on_reaped=self._reaped,
                                   on_interactive=self.interactive_waiting.set,
-                                  reap_sandboxes=_driver_reaper(self.executor),
-                                  presence=self.presence, kinds=self.kinds)
+                                  reap_sandboxes=driver_reaper(self.executor),
+                                  presence=self.presence, kinds=self.kinds, cancels=self.cancels)
         slots = [threading.Thread(target=self._slot_thread, args=(i,), name=f"tenantq-slot-{i}", daemon=True)
                  for i in range(cfg.concurrency)]
         try:
@@ -126,8 +130,12 @@ class Worker:
             # jobs of a dead worker without waiting one tick
             if self.alerts.enabled:
                 self.alerts.start()
-            sync_app_schedules(self._pool, getattr(self.executor, "registry", None), self.kinds)
-            maintenance.tick()  # fires due schedules too: `--once` drains what they enqueue
+            try:
+                sync_app_schedules(self._pool, getattr(self.executor, "registry", None), self.kinds)
+                maintenance.tick()  # fires due schedules too: `--once` drains what they enqueue
+            except psycopg.errors.UndefinedTable:
+                raise TenantqError(f"tenantq tables not found in schema {self.db.schema!r}: "
+                                   "run `tenantq migrate` first") from None
             if not cfg.once:
                 listener.start()
                 # wake-ups only work once LISTEN is in place; without it the
@@ -390,10 +398,3 @@ def _describe(exc: BaseException) -> str:
         return type(exc).__name__
     return f"{type(exc).__name__}: {first_line(exc)}"[:300]
 
-
-def _driver_reaper(executor: BatchExecutor) -> Callable[[], list[str]] | None:
-    """A sandboxed executor reaps sandboxes past their TTL (and old snapshots)."""
-    reap = getattr(executor, "reap", None)
-    if not callable(reap):
-        reap = getattr(getattr(executor, "driver", None), "reap", None)
-    return reap if callable(reap) else None

@@ -40,7 +40,7 @@ MAX_FRAME_BYTES = (1 << 20) + (64 << 10)
 MAX_JSON_DEPTH = 64
 MAX_ERROR_CHARS = 4000
 OUTPUT_TAIL_BYTES = 1024
-JOB_REASONS = ("exception", "timeout", "oom", "unknown_kind", "crashed", "unstorable")
+JOB_REASONS = ("exception", "timeout", "oom", "unknown_kind", "crashed", "unstorable", "cancelled")
 
 
 class FrameError(Exception):

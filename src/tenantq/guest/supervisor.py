@@ -152,6 +152,7 @@ class Supervisor:
         self.job_uid = command.get("job_uid")
         self.deadline = time.monotonic() + float(command.get("ttl", 60))
         self.wake_r = wake_r
+        self.seq: object = None  # the host's number of the job in flight
 
     def serve(self) -> int:
         secrets = self.stdin.read()
@@ -174,8 +175,11 @@ class Supervisor:
                 return EOF_EXIT
             if command.get("op") == "end":
                 return 0
+            if command.get("op") == "cancel":
+                continue  # for a job that ended before the request arrived
             if command.get("op") != "job" or not isinstance(command.get("job"), dict):
                 return PROTOCOL_EXIT
+            self.seq = command.get("seq")
             outcome = self.run(command["job"], env)
             if outcome is None:
                 return EOF_EXIT
@@ -257,7 +261,7 @@ class Supervisor:
         limit = HEADER_BYTES + MAX_FRAME_BYTES
         deadline = min(time.monotonic() + timeout + JOB_GRACE_SECONDS, self.deadline)
         status: int | None = None
-        overflow = timed_out = False
+        overflow = timed_out = cancelled = False
         open_fds = {result_r, out_r}
         while not _complete(result):
             status = reap(pid)
@@ -274,7 +278,18 @@ class Supervisor:
                 break
             readable, _, _ = select.select([*open_fds, self.wake_r, 0], [], [], remaining)
             if 0 in readable:
-                return None  # stdin readable mid-job: EOF, the host is gone
+                # mid-job, the host sends only `cancel` for this job; EOF or
+                # anything else: the host is gone
+                try:
+                    command = self.stdin.read()
+                except FrameError:
+                    return None
+                if command is None or command.get("op") != "cancel":
+                    return None
+                if command.get("seq") == self.seq:
+                    cancelled = True
+                    break
+                continue
             if self.wake_r in readable:
                 with contextlib.suppress(BlockingIOError):
                     os.read(self.wake_r, 4096)
@@ -292,6 +307,9 @@ class Supervisor:
                     open_fds.discard(out_r)
                 printed += len(chunk)
                 tail = (tail + chunk)[-OUTPUT_TAIL_BYTES:]
+        if cancelled:
+            # run() retires the job's process (and all it started) before the host hears of it
+            return {"ok": False, "reason": "cancelled", "error": "cancelled while running", "reusable": False}
         outcome = self._outcome(bytes(result), status, overflow, timed_out, timeout)
         if not _complete(result) or status is not None:
             outcome["reusable"] = False

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -61,6 +62,10 @@ class SandboxExecutor:
         self.app_module = app_module
         self.guest: GuestPython = guest_python(app_module)
         self.inline = InlineExecutor(registry)
+        # the session running each job of a live batch, for cancel()
+        self._sessions: dict[int, BatchSession] = {}
+        self._sessions_lock = threading.Lock()
+        self._early_cancels: set[int] = set()
         self.tmp_mb, self.work_mb, self.max_pids, self.cpus = tmp_mb, work_mb, max_pids, cpus
         # code mounted under /tmp (an app or venv in the host's /tmp) has its
         # mount points in the sandbox's /tmp: the runner's clean-up keeps them
@@ -108,8 +113,25 @@ class SandboxExecutor:
         if trusted:
             self.inline.run(replace(batch, jobs=tuple(trusted)), env=env, report=report,
                             should_stop=should_stop)
-        if boxed and not should_stop():
-            self._run_sandboxed(replace(batch, jobs=tuple(boxed)), env, report, should_stop)
+        try:
+            if boxed and not should_stop():
+                self._run_sandboxed(replace(batch, jobs=tuple(boxed)), env, report, should_stop)
+        finally:
+            with self._sessions_lock:
+                self._early_cancels.difference_update(j.id for j in batch.jobs)
+
+    def cancel(self, job_id: int) -> None:
+        """Stop a job of a running batch (dispatch/cancels.py): through its
+        sandbox's session, or the inline executor for an inline kind."""
+        with self._sessions_lock:
+            session = self._sessions.get(job_id)
+            if session is None:
+                # its sandbox is still starting (or it is an inline kind)
+                self._early_cancels.add(job_id)
+        if session is not None:
+            session.cancel(job_id)
+        else:
+            self.inline.cancel(job_id)
 
     def reap(self) -> list[str]:
         """Sandboxes past their TTL, then unused templates and old hibernated images."""
@@ -144,6 +166,12 @@ class SandboxExecutor:
             if server.batches:
                 server.sandbox.extend_deadline(spec.ttl_seconds)
             session = BatchSession(server, self.registry, report, getattr(self.driver, "job_uid", None))
+            with self._sessions_lock:
+                self._sessions.update({job.id: session for job in batch.jobs})
+                early = {job.id for job in batch.jobs} & self._early_cancels
+                self._early_cancels -= early
+            for job_id in early:  # asked to stop while the sandbox was starting
+                session.cancel(job_id)
             proxy, guest_env = self.egress.open(server.sandbox, batch, session.running_now, env)
             try:
                 ended = session.run(batch, guest_env, spec.ttl_seconds, budget, should_stop)
@@ -173,6 +201,9 @@ class SandboxExecutor:
             metrics.BATCH_OUTCOMES.labels(self.name, metrics.batch_reason(end.kind)).inc()
             reusable = ended.clean and end.ok and not ended.tainted
         finally:
+            with self._sessions_lock:
+                for job in batch.jobs:
+                    self._sessions.pop(job.id, None)
             destroying = time.monotonic()
             self.warm.release(server, reusable=reusable)
             metrics.SANDBOX_DESTROY.labels(self.name).observe(time.monotonic() - destroying)

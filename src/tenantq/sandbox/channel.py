@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import threading
 import time
 from typing import Any
 
@@ -69,10 +70,17 @@ class Channel:
         self.stdout_fd = stdout_fd
         self.alive = alive  # () -> bool: is the process still there?
         self.reader = FrameReader()
+        # a cancel (BatchSession.cancel, another thread) may be sent while
+        # the session sends: frames must not interleave
+        self._send_lock = threading.Lock()
         os.set_blocking(stdin_fd, False)
         os.set_blocking(stdout_fd, False)
 
     def send(self, value: object, deadline: float) -> None:
+        with self._send_lock:
+            self._send(value, deadline)
+
+    def _send(self, value: object, deadline: float) -> None:
         data = memoryview(encode(value))
         while data:
             try:

@@ -8,7 +8,7 @@ import threading
 import traceback
 from collections.abc import Callable, Mapping
 
-from tenantq.registry import JobContext, Registry
+from tenantq.registry import Cancellation, JobContext, Registry
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.store.model import Batch
 
@@ -26,6 +26,21 @@ class InlineExecutor:
         self.registry = registry
         self._warmed: set[str] = set()
         self._warm_lock = threading.Lock()
+        # cancel requests (dispatch/cancels.py): the running jobs' flags,
+        # and jobs asked to stop before they started
+        self._cancel_lock = threading.Lock()
+        self._running: dict[int, Cancellation] = {}
+        self._cancelled: set[int] = set()
+
+    def cancel(self, job_id: int) -> None:
+        """Tell a running handler through `ctx.cancelled`; a job that has not
+        started does not start."""
+        with self._cancel_lock:
+            flag = self._running.get(job_id)
+            if flag is None:
+                self._cancelled.add(job_id)
+        if flag is not None:
+            flag.set()
 
     def kinds(self) -> list[str]:
         """The kinds this executor can run (the worker claims only these):
@@ -75,15 +90,27 @@ class InlineExecutor:
                                 error=f"kind {job.kind!r} runs only in a sandbox; this worker runs inline "
                                       "(start it with --sandbox auto|gvisor|process)"))
                 continue
+            flag = Cancellation()
+            with self._cancel_lock:
+                skip = job.id in self._cancelled
+                self._cancelled.discard(job.id)
+                if not skip:
+                    self._running[job.id] = flag
+            if skip:
+                report(JobEnded(job.id, ok=False, error="cancelled before it started"))
+                continue
             ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
                              kind=job.kind, max_attempts=job.max_attempts, env=dict(env),
-                             actor=job.actor, meta=dict(job.meta or {}))
+                             actor=job.actor, meta=dict(job.meta or {}), cancelled=flag)
             try:
                 result = handler.call(job.payload, ctx)
             except Exception as exc:
                 report(JobEnded(job.id, ok=False, error=describe_exception(exc)))
             else:
                 report(JobEnded(job.id, ok=True, result=result))
+            finally:
+                with self._cancel_lock:
+                    self._running.pop(job.id, None)
 
 
 def describe_exception(exc: BaseException) -> str:

@@ -12,7 +12,9 @@ that stops talking is killed at the host's deadline (rule H5).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -71,6 +73,26 @@ class BatchSession:
         self.current: int | None = None  # the job handed out and not yet ended
         self._t0 = 0.0
         self._ttl = 0.0
+        # cancel requests (dispatch/cancels.py), from another thread: the
+        # job in flight is stopped by its supervisor; one not yet handed
+        # out is never handed out
+        self._cancel_lock = threading.Lock()
+        self._seq = -1
+        self._skip: set[int] = set()
+
+    def cancel(self, job_id: int) -> None:
+        """Stop a job of this batch: the one in flight gets a `cancel` frame
+        (its supervisor kills its process and reports its end); a later one
+        is skipped. What the job then reports ends it `cancelled` on the
+        host's say (settle.py), never the guest's."""
+        with self._cancel_lock:
+            if job_id != self.current:
+                self._skip.add(job_id)
+                return
+            seq = self._seq
+        # if the channel fails, the sandbox is going anyway: the job ends with it
+        with contextlib.suppress(ChannelTimeout, GuestGone):
+            self.channel.send({"op": "cancel", "seq": seq}, time.monotonic() + 1.0)
 
     def running_now(self) -> int | None:
         """The job in flight (read by the egress proxy's thread)."""
@@ -102,6 +124,13 @@ class BatchSession:
             for seq, job in enumerate(batch.jobs):
                 if should_stop():
                     break
+                with self._cancel_lock:
+                    skipped = job.id in self._skip
+                if skipped:
+                    self.report(JobStarted(job.id))
+                    self.report(JobEnded(job.id, ok=False, error="cancelled before it started"))
+                    job = None
+                    continue
                 self._run_job(seq, job, deadline, out)
                 job = None
             self.channel.send({"op": "end"}, deadline)
@@ -133,7 +162,8 @@ class BatchSession:
 
     def _run_job(self, seq: int, job: ClaimedJob, deadline: float, out: SessionEnd) -> None:
         self.report(JobStarted(job.id))
-        self.current = job.id
+        with self._cancel_lock:
+            self.current, self._seq = job.id, seq
         out.handed_out += 1
         self._t0 = time.monotonic()
         job_deadline = min(deadline, self._t0 + self._timeout(job) + HOST_TIMEOUT_GRACE_SECONDS)

@@ -336,17 +336,26 @@ def state_steps(job_id: int) -> Steps[str | None]:
     return str(rows[0]["status"]) if rows else None
 
 
-def cancel(conn: Conn, job_id: int, *, now: datetime | None = None) -> bool:
-    """Cancel a pending job; False if it exists but is not pending."""
-    return run(conn, cancel_steps(job_id, now=now))
+def cancel(conn: Conn, job_id: int, *, by: str | None = None, channel: str = "",
+           now: datetime | None = None) -> bool:
+    """Cancel a pending job, or ask a running one to stop; False if it has ended."""
+    return run(conn, cancel_steps(job_id, by=by, channel=channel, now=now))
 
 
-def cancel_steps(job_id: int, *, now: datetime | None = None) -> Steps[bool]:
-    if (yield Query(sql("jobs", "cancel"), {"id": job_id, "now": now})):
-        return True
-    if (yield from state_steps(job_id)) is None:
+def cancel_steps(job_id: int, *, by: str | None = None, channel: str = "",
+                 now: datetime | None = None) -> Steps[bool]:
+    rows = yield Query(sql("jobs", "cancel"), {"id": job_id, "by": by, "channel": channel, "now": now})
+    if not rows:
         raise JobNotFound(f"no job with id {job_id}")
-    return False
+    return rows[0]["was"] in ("pending", "running")
+
+
+def cancel_requests_steps(batch_ids: Sequence[int]) -> Steps[list[tuple[int, int]]]:
+    """(batch_id, job_id) of the cancel requests for jobs of these batches."""
+    if not batch_ids:
+        return []
+    rows = yield Query(sql("jobs", "cancel_requests"), {"batch_ids": list(batch_ids)})
+    return [(int(str(r["batch_id"])), int(str(r["id"]))) for r in rows]
 
 
 def dead_steps(*, tenant_id: str | None = None, limit: int = 100) -> Steps[list[dict[str, Any]]]:

@@ -60,7 +60,7 @@ class Settlement:
     """What happens to one job of a batch: the store applies it verbatim."""
 
     job_id: int
-    status: Literal["done", "pending", "dead"]
+    status: Literal["done", "pending", "dead", "cancelled"]
     result: Any = None
     error: str | None = None
     delay: float = 0.0
@@ -91,6 +91,9 @@ class JobInfo:
     lease_expires_at: datetime | None
     actor: str | None = None
     meta: dict[str, Any] | None = None
+    # who cancelled it (`cancel(..., by=)`); for a running job, when it was asked to stop
+    cancelled_by: str | None = None
+    cancel_requested_at: datetime | None = None
     why_waiting: list[str] = field(default_factory=list)
     # requests its sandbox's egress proxy refused while it ran (host, reason, when)
     egress_blocked: list[dict[str, Any]] = field(default_factory=list)

@@ -157,7 +157,7 @@ WITH clock AS (
         batch_id = NULL,
         run_after = CASE WHEN o.status = 'pending' THEN clock.now + make_interval(secs => o.delay)
                          ELSE j.run_after END,
-        finished_at = CASE WHEN o.status IN ('done', 'dead') THEN clock.now END
+        finished_at = CASE WHEN o.status IN ('done', 'dead', 'cancelled') THEN clock.now END
     FROM outcome o, clock
     WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
     RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.replays,
@@ -167,8 +167,8 @@ WITH clock AS (
                           outcome, error)
     SELECT s.tenant_id, s.id, s.attempts, s.replays, coalesce(s.started_at, clock.now), clock.now,
            l.worker_id, l.sandbox_driver,
-           CASE WHEN s.status = 'done' THEN 'done' ELSE 'failed' END,
-           CASE WHEN s.status = 'done' THEN s.error ELSE coalesce(s.error, 'failed') END
+           CASE WHEN s.status IN ('done', 'cancelled') THEN s.status ELSE 'failed' END,
+           CASE WHEN s.status IN ('done', 'cancelled') THEN s.error ELSE coalesce(s.error, 'failed') END
     FROM settled s, lease l, clock
 ), woken AS (
     INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
@@ -193,7 +193,7 @@ WITH clock AS (
     -- Past NOTIFY's 8000-byte payload limit, '*': every waiter re-checks.
     SELECT pg_notify(left('tenantq_done_' || current_schema(), 63),
                      CASE WHEN length(ids) <= 7900 THEN ids ELSE '*' END)
-    FROM (SELECT string_agg(id::text, ',') AS ids FROM settled WHERE status IN ('done', 'dead')) AS d
+    FROM (SELECT string_agg(id::text, ',') AS ids FROM settled WHERE status IN ('done', 'dead', 'cancelled')) AS d
     WHERE ids IS NOT NULL
 )
 SELECT id, status FROM settled, (SELECT count(*) FROM ended) AS notified;
@@ -246,16 +246,39 @@ WHERE j.id = %(id)s;
 SELECT status FROM jobs WHERE id = %(id)s;
 
 -- name: cancel
--- A cancelled job has ended: its waiters are woken at commit (see `settle`).
-WITH cancelled AS (
-    UPDATE jobs
-    SET status = 'cancelled', finished_at = coalesce(%(now)s::timestamptz, now())
-    WHERE id = %(id)s AND status = 'pending'
-    RETURNING id
+-- `tenantq cancel ID`: a pending job ends `cancelled` at once (its waiters
+-- are woken at commit, see `settle`); a running one is asked to stop:
+-- cancel_requested_at is set and its worker is notified on the workers'
+-- channel ('cancel:<batch>:<job>'), stops it and settles it `cancelled`
+-- (dispatch/cancels.py). The row lock orders a cancel against a settle.
+WITH target AS (
+    SELECT id, status, batch_id FROM jobs WHERE id = %(id)s FOR UPDATE
+), cancelled AS (
+    UPDATE jobs j
+    SET status = 'cancelled', finished_at = coalesce(%(now)s::timestamptz, now()), cancelled_by = %(by)s
+    FROM target t
+    WHERE j.id = t.id AND t.status = 'pending'
+    RETURNING j.id
+), requested AS (
+    UPDATE jobs j
+    SET cancel_requested_at = coalesce(j.cancel_requested_at, coalesce(%(now)s::timestamptz, now())),
+        cancelled_by = coalesce(j.cancelled_by, %(by)s)
+    FROM target t
+    WHERE j.id = t.id AND t.status = 'running'
+    RETURNING j.id, t.batch_id
 ), ended AS (
     SELECT pg_notify(left('tenantq_done_' || current_schema(), 63), id::text) FROM cancelled
+), asked AS (
+    SELECT pg_notify(%(channel)s, 'cancel:' || batch_id || ':' || id) FROM requested
 )
-SELECT id FROM cancelled, (SELECT count(*) FROM ended) AS notified;
+SELECT t.status AS was, (SELECT count(*) FROM ended) + (SELECT count(*) FROM asked) AS notified
+FROM target t;
+
+-- name: cancel_requests
+-- The cancel requests for jobs of these (live) batches: a worker's
+-- maintenance tick reads them, in case it missed the notification.
+SELECT id, batch_id FROM jobs
+WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND status = 'running' AND cancel_requested_at IS NOT NULL;
 
 -- name: dead_list
 SELECT id, tenant_id, kind, priority, attempts, max_attempts, last_error, finished_at

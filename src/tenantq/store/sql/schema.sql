@@ -230,7 +230,7 @@ CREATE TABLE attempts (
     finished_at timestamptz NOT NULL,
     worker_id   text NOT NULL,
     driver      text NOT NULL,
-    outcome     text NOT NULL CONSTRAINT attempt_outcome_known CHECK (outcome IN ('done', 'failed', 'released', 'lost')),
+    outcome     text NOT NULL CONSTRAINT attempt_outcome_known CHECK (outcome IN ('done', 'failed', 'released', 'lost', 'cancelled')),
     error       text,
     CONSTRAINT attempt_failure_has_error CHECK (outcome NOT IN ('failed', 'lost') OR error IS NOT NULL),
     PRIMARY KEY (tenant_id, job_id, id)

@@ -18,6 +18,10 @@ ALTER TABLE tenants ADD COLUMN retain_dead_seconds double precision
 ALTER TABLE jobs ADD COLUMN cancelled_by text
     CONSTRAINT cancelled_by_format CHECK (cancelled_by IS NULL OR (length(cancelled_by) BETWEEN 1 AND 200 AND cancelled_by !~ '[[:cntrl:]]'));
 ALTER TABLE jobs ADD COLUMN cancel_requested_at timestamptz;
+-- an attempt stopped by a cancel ends `cancelled`
+ALTER TABLE attempts DROP CONSTRAINT attempt_outcome_known;
+ALTER TABLE attempts ADD CONSTRAINT attempt_outcome_known
+    CHECK (outcome IN ('done', 'failed', 'released', 'lost', 'cancelled'));
 
 -- Retention: a tenant's finished jobs, oldest first, one partial index per
 -- final status (jobs_dead already serves `dead`); tenant_id leads, so the
