@@ -167,7 +167,8 @@ async def many_waiters(db: Database, n: int) -> dict[str, Any]:
                                driver="none", lease_seconds=60)
             assert batch is not None
             t0 = time.perf_counter()
-            jobs.settle(conn, batch.batch_id, [Settlement(j.id, "done") for j in batch.jobs], end_outcome="ok")
+            jobs.settle(conn, batch.batch_id, [Settlement(j.id, "done") for j in batch.jobs],
+                        end_outcome="ok")
         await asyncio.gather(*tasks)
         return {"waiters": n, "connections": {str(r["application_name"]): int(str(r["n"])) for r in rows},
                 "all_woken_s": time.perf_counter() - t0}

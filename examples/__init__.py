@@ -1,0 +1,1 @@
+"""Framework examples (FastAPI, Django, SQLAlchemy, psycopg), each run by tests/examples/."""

@@ -1,0 +1,1 @@
+"""The shop app: orders, whose receipts are sent by tenantq jobs."""
