@@ -297,11 +297,13 @@ def db_stop() -> None:
 
 
 def _add_subcommands() -> None:
+    from tenantq.cli_jobs import jobs
     from tenantq.cli_sandbox import template
     from tenantq.cli_worker import worker
 
     cli.add_command(worker)
     cli.add_command(template)
+    cli.add_command(jobs)
 
 
 _add_subcommands()

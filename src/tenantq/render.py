@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tenantq.store.model import JobInfo
 
@@ -119,6 +121,24 @@ def dead_table(rows: list[dict[str, Any]]) -> None:
         dead.add_row(str(r["id"]), r["tenant_id"], r["kind"], f"{r['attempts']}/{r['max_attempts']}",
                       str(r["finished_at"])[:19], error)
     console.print(dead)
+
+
+def jobs_table(rows: list[dict[str, Any]]) -> None:
+    """`tenantq jobs`: one row per job, newest first. Cells are Text, never
+    markup: an actor or an error may hold brackets."""
+    found = table("id", "tenant", "kind", "status", "attempts", "actor", "created (UTC)", "last error",
+                  title=f"Jobs ({len(rows)}, newest first)", right=("id", "attempts"))
+    for r in rows:
+        created = r["created_at"]
+        shown = created.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S") if isinstance(created, datetime) \
+            else str(created)
+        found.add_row(*(Text(cell) for cell in (
+            str(r["id"]), r["tenant_id"], r["kind"], r["status"], f"{r['attempts']}/{r['max_attempts']}",
+            r["actor"] or "-", shown, (r["error_line"] or "")[:100])))
+    if not rows:
+        console.print("No job matches.")
+        return
+    console.print(found)
 
 
 def _preview(value: Any, limit: int = 400) -> str:

@@ -3,7 +3,9 @@
     create_app(queue, token=None, metrics_app=None) -> Starlette
     serve(queue, host="127.0.0.1", port=8080, token=None, metrics_app=None)
 
-Routes: GET / (overview, auto-refreshing), GET /jobs/{id}, POST /dead/{id}/retry,
+Routes: GET / (overview, auto-refreshing), GET /jobs (finding jobs: filters,
+pages newest first; /jobs?id=N opens job N), GET /jobs/{id}, POST /jobs/cancel
+and POST /jobs/retry-dead (bulk actions on a filtered set), POST /dead/{id}/retry,
 POST /dead/retry-all, GET|POST /login and POST /logout (with a token),
 GET /healthz (always open), GET /metrics (when a metrics app is given).
 
@@ -35,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tenantq.errors import DatabaseUnavailable, InvalidInput, JobNotFound, TenantqError
 from tenantq.queue import Queue
-from tenantq.store import validation
+from tenantq.store import search, validation
 from tenantq.store.queries import sql
 from tenantq.web.format import environment
 from tenantq.web.security import (
@@ -56,6 +58,8 @@ RECENT_FAILURES = 20
 DEAD_LIMIT = 100
 MAX_FORM_BYTES = 64 * 1024
 MAX_ID = 2**63 - 1
+# query parameters that only carry a notice about the last action
+NOTICES = ("replayed", "not_dead", "cancelled")
 
 
 def parse_id(raw: str) -> int:
@@ -69,7 +73,7 @@ def parse_id(raw: str) -> int:
 def _with_query(path: str, **params: int) -> str:
     """`path` with the notice parameters replaced by `params`."""
     parts = urlsplit(path)
-    query = [(k, v) for k, v in parse_qsl(parts.query) if k not in ("replayed", "not_dead")]
+    query = [(k, v) for k, v in parse_qsl(parts.query) if k not in NOTICES]
     query += [(k, str(v)) for k, v in params.items()]
     return urlunsplit(("", "", parts.path, urlencode(query), ""))
 
@@ -77,6 +81,13 @@ def _with_query(path: str, **params: int) -> str:
 def _int_param(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name, "")
     return int(raw) if raw.isdigit() and len(raw) < 20 else None
+
+
+def _filter_kwargs(filters: search.JobFilter) -> dict[str, Any]:
+    """A validated filter (less its status) as keyword arguments of the
+    Queue's search operations."""
+    return {"tenant": filters.tenant, "kind": filters.kind, "actor": filters.actor, "meta": filters.meta,
+            "since": filters.since_seconds}
 
 
 class _Asgi:
@@ -200,7 +211,90 @@ class Dashboard:
         job_id = parse_id(request.query_params.get("id", "").strip())
         return RedirectResponse(f"/jobs/{job_id}", status_code=303)
 
+    async def jobs_page(self, request: Request) -> Response:
+        """GET /jobs: the search form and one page of matching jobs, newest
+        first; the "job id" box (GET /jobs?id=N) opens job N."""
+        if "id" in request.query_params:
+            return await self.find_job(request)
+        query = request.query_params
+        text = {name: query.get(name, "") for name in ("tenant", "kind", "status", "actor", "since", "limit")}
+        meta = [item for item in query.getlist("meta") if item]
+        form: dict[str, Any] = {**text, "meta": meta}
+        try:
+            filters = search.job_filter(
+                tenant=text["tenant"].strip(), kind=text["kind"].strip(), status=text["status"].strip(),
+                actor=text["actor"], meta=meta, since=text["since"].strip())
+            limit = search.parse_limit(text["limit"].strip() or search.DEFAULT_LIMIT)
+            before = query.get("before") or None
+            search.parse_cursor(before)
+        except InvalidInput as exc:
+            return self.render(request, "search.html", {
+                **self._search_context(request, form, None, search.DEFAULT_LIMIT),
+                "error": str(exc)}, status=400)
+        page, counts = await self.db(self._search_data, filters, limit, before)
+        context = self._search_context(request, form, filters, limit)
+        items = context["filter_items"]
+        return self.render(request, "search.html", {
+            **context,
+            "page": page,
+            "counts": counts,
+            "paged": before is not None,
+            "older_url": None if page.next_before is None else
+                "/jobs?" + urlencode([*items, ("before", page.next_before)]),
+        })
+
+    def _search_context(self, request: Request, form: dict[str, Any], filters: search.JobFilter | None,
+                        limit: int) -> dict[str, Any]:
+        items = [] if filters is None else filters.query_items()
+        if limit != search.DEFAULT_LIMIT:
+            items.append(("limit", str(limit)))
+        return {
+            "form": form, "filters": filters, "statuses": search.STATUSES, "error": None,
+            "page": None, "counts": None, "paged": False, "older_url": None,
+            "filter_items": items,
+            "newest_url": "/jobs" + (f"?{urlencode(items)}" if items else ""),
+            "replayed": _int_param(request, "replayed"),
+            "cancelled": _int_param(request, "cancelled"),
+        }
+
+    def _search_data(self, filters: search.JobFilter, limit: int,
+                     before: str | None) -> tuple[search.JobPage, dict[str, int]]:
+        kwargs = _filter_kwargs(filters)
+        page = self.queue.find_jobs(**kwargs, status=filters.status, limit=limit, before=before)
+        counts = self.queue.actionable_counts(**kwargs, status=filters.status)
+        return page, counts
+
+    def form_filters(self, form: FormData, *, status: str) -> search.JobFilter:
+        """The filters a bulk action's form carries (its search's), validated;
+        a status other than the one the action acts on is refused."""
+        filters = search.job_filter(
+            tenant=self.field(form, "tenant"), kind=self.field(form, "kind"),
+            status=self.field(form, "status"), actor=self.field(form, "actor"),
+            meta=[item for item in form.getlist("meta") if isinstance(item, str) and item],
+            since=self.field(form, "since"))
+        if filters.status not in (None, status):
+            raise InvalidInput(f"this action acts on {status} jobs only, not on {filters.status} ones")
+        return filters
+
     # -- actions ---------------------------------------------------------
+    async def bulk_cancel(self, request: Request) -> Response:
+        """POST /jobs/cancel: cancel every pending job of the search's
+        filters (at least one filter: never every tenant's by accident)."""
+        form = await self.checked_form(request)
+        filters = self.form_filters(form, status="pending")
+        cancelled = await self.db(self.queue.cancel_jobs, **_filter_kwargs(filters))
+        back = safe_next(self.field(form, "next"), default="/jobs")
+        return RedirectResponse(_with_query(back, cancelled=cancelled), status_code=303)
+
+    async def bulk_retry_dead(self, request: Request) -> Response:
+        """POST /jobs/retry-dead: replay every dead job of the search's
+        filters (none: every dead job, as the overview's "retry all")."""
+        form = await self.checked_form(request)
+        filters = self.form_filters(form, status="dead")
+        replayed = await self.db(self.queue.retry_dead_jobs, **_filter_kwargs(filters), everything=True)
+        back = safe_next(self.field(form, "next"), default="/jobs")
+        return RedirectResponse(_with_query(back, replayed=replayed), status_code=303)
+
     async def retry_one(self, request: Request) -> Response:
         form = await self.checked_form(request)
         job_id = parse_id(request.path_params["job_id"])
@@ -281,7 +375,9 @@ def create_app(queue: Queue, *, token: str | None = None, metrics_app: ASGIApp |
     dash = Dashboard(queue, keys)
     routes: list[BaseRoute] = [
         Route("/", dash.overview),
-        Route("/jobs", dash.find_job),
+        Route("/jobs", dash.jobs_page),
+        Route("/jobs/cancel", dash.bulk_cancel, methods=["POST"]),
+        Route("/jobs/retry-dead", dash.bulk_retry_dead, methods=["POST"]),
         Route("/jobs/{job_id}", dash.job),
         Route("/dead/retry-all", dash.retry_all, methods=["POST"]),
         Route("/dead/{job_id}/retry", dash.retry_one, methods=["POST"]),
