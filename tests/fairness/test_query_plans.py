@@ -10,9 +10,10 @@ import json
 from typing import Any
 
 import pytest
+from psycopg.sql import Composed
 
 from tenantq.store.db import Database
-from tenantq.store.queries import sql
+from tenantq.store.queries import composed, sql
 
 
 def _seed(db: Database) -> None:
@@ -36,10 +37,11 @@ def _seed(db: Database) -> None:
         """)
 
 
-def _plan(db: Database, statement: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _plan(db: Database, statement: str | Composed, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every node of the EXPLAIN plan, flattened."""
     with db.connect() as conn:
-        row = conn.execute("EXPLAIN (FORMAT JSON) " + statement, params).fetchone()  # type: ignore[operator]
+        text = statement if isinstance(statement, str) else statement.as_string(None)
+        row = conn.execute("EXPLAIN (FORMAT JSON) " + text, params).fetchone()  # type: ignore[operator]
     assert row is not None
     doc = row["QUERY PLAN"]
     doc = json.loads(doc) if isinstance(doc, str) else doc
@@ -66,7 +68,7 @@ def seeded(db: Database) -> Database:
 
 @pytest.mark.parametrize("kinds", [None, ["k"], ["other.kind", "k", "a.third"]])
 def test_claim_uses_the_runnable_index(seeded: Database, kinds: list[str] | None) -> None:
-    nodes = _plan(seeded, sql("jobs", "claim"), {
+    nodes = _plan(seeded, composed("jobs", "claim", lease="lease"), {
         "tenant_id": "small", "priority": "bulk", "limit": 10, "worker_id": "w", "driver": "inline",
         "lease_seconds": 30.0, "kinds": kinds, "now": None,
     })
@@ -82,7 +84,7 @@ def test_claim_uses_the_runnable_index(seeded: Database, kinds: list[str] | None
 
 @pytest.mark.parametrize("kinds", [None, ["k"]])
 def test_candidates_read_only_queues_with_work(seeded: Database, kinds: list[str] | None) -> None:
-    nodes = _plan(seeded, sql("queues", "candidates"), {
+    nodes = _plan(seeded, composed("queues", "candidates", rate_columns="rate_columns"), {
         "priority": "bulk", "from_tenant": "", "limit": 32, "kinds": kinds, "now": None,
     })
     scans = _scans(nodes, "queues")

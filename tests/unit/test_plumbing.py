@@ -6,7 +6,7 @@ import pytest
 
 from tenantq.dispatch.maintenance import LeaseBook
 from tenantq.dispatch.wakeup import Wakeup
-from tenantq.store.queries import migration_files, parse_blocks, sql
+from tenantq.store.queries import composed, migration_files, parse_blocks, sql
 
 
 def test_parse_blocks() -> None:
@@ -17,7 +17,9 @@ def test_parse_blocks() -> None:
 
 
 def test_every_sql_file_loads() -> None:
-    assert "FOR UPDATE" in sql("jobs", "claim")
+    assert "FOR UPDATE" in composed("jobs", "claim", lease="lease").as_string(None)
+    with pytest.raises(KeyError, match="placeholders"):
+        sql("jobs", "claim")
     with pytest.raises(KeyError, match="no SQL block"):
         sql("jobs", "nope")
     versions = [v for v, _, _ in migration_files()]

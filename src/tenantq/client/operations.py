@@ -18,7 +18,7 @@ from typing import Any
 from tenantq.client.runner import Subscribe, Wait, atomic_operation, operation
 from tenantq.egress.policy import parse_rules
 from tenantq.errors import InvalidInput, JobNotFound, WaitTimeout
-from tenantq.store import jobs, validation, workers
+from tenantq.store import jobs, rates, validation, workers
 from tenantq.store.db import Database
 from tenantq.store.model import JobInfo, NewJob
 from tenantq.store.queries import sql
@@ -48,6 +48,16 @@ def _job_id(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
         raise InvalidInput(f"job id must be a positive integer, got {value!r}")
     return value
+
+
+def _retention(value: object, what: str) -> float | None:
+    """A retention override in seconds; None for none given or "default"."""
+    if value is None or (isinstance(value, str) and value.strip() == "default"):
+        return None
+    try:
+        return validation.duration(value, what)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{exc} (or default: the workers' TENANTQ_RETAIN_* setting)") from None
 
 
 class Operations:
@@ -232,20 +242,29 @@ class Operations:
     @operation
     def set_tenant(
         self, tenant: str, *, weight: int | None = None, max_sandboxes: int | None = None,
-        egress: str | list[str] | None = None,
+        egress: str | list[str] | None = None, retain_done: str | float | None = None,
+        retain_cancelled: str | float | None = None, retain_dead: str | float | None = None,
     ) -> Steps[dict[str, Any]]:
-        """Set a tenant's weight, cap (max_sandboxes=0 removes the cap) and/or
-        egress rules ("api.stripe.com,*.salesforce.com:443"; "" = none)."""
+        """Set a tenant's weight, cap (max_sandboxes=0 removes the cap),
+        egress rules ("api.stripe.com,*.salesforce.com:443"; "" = none)
+        and/or retention overrides: how long its finished jobs are kept, per
+        final status, as seconds or "30d", "12h"...; "default" goes back to
+        the workers' TENANTQ_RETAIN_* (docs/retention.md). None leaves a
+        setting as it is."""
         validation.tenant_id(tenant)
         rules = None if egress is None else [str(r) for r in parse_rules(egress)]
         if weight is not None and not 1 <= weight <= 10000:
             raise InvalidInput(f"weight must be between 1 and 10000, got {weight}")
         if max_sandboxes is not None and max_sandboxes < 0:
             raise InvalidInput(f"max-sandboxes must be 0 (no cap) or more, got {max_sandboxes}")
+        retention: dict[str, Any] = {}
+        for status, value in (("done", retain_done), ("cancelled", retain_cancelled), ("dead", retain_dead)):
+            retention[f"retain_{status}_set"] = value is not None
+            retention[f"retain_{status}"] = _retention(value, f"retain-{status}")
         rows = yield Query(sql("tenants", "upsert"), {
             "tenant_id": tenant, "weight": weight,
             "max_sandboxes": max_sandboxes or None, "clear_cap": max_sandboxes == 0,
-            "egress": rules,
+            "egress": rules, **retention,
         })
         return dict(rows[0])
 
@@ -256,6 +275,24 @@ class Operations:
         validation.tenant_id(tenant)
         rows = yield Query(sql("tenants", "set_paused"), {"tenant_id": tenant, "paused": paused})
         return dict(rows[0])
+
+    @operation
+    def set_rate_limit(self, tenant: str | None = None, kind: str | None = None, *,
+                       rate: str | float | None, burst: float | None = None) -> Steps[dict[str, Any]]:
+        """Limit a tenant (`tenant=`), one kind of a tenant (both), or a kind
+        across every tenant (`kind=`) to `rate` ("10/s", "100/m", "5000/h",
+        or a number per second), with bursts of up to `burst` jobs (default:
+        one second's worth, at least 1). rate=None removes the limit.
+        Changes apply to the next pick of every worker."""
+        return (yield from rates.set_steps(tenant=tenant, kind=kind, rate=rate, burst=burst))
+
+    @operation
+    def rate_limits(self, tenant: str | None = None) -> Steps[list[dict[str, Any]]]:
+        """Every rate limit (those covering one tenant: its own, its kinds',
+        and the kinds' global ones), with the tokens each has now."""
+        if tenant is not None:
+            validation.tenant_id(tenant)
+        return (yield from rates.list_steps(tenant))
 
     @atomic_operation
     def reap(self) -> Steps[int]:

@@ -49,7 +49,7 @@ from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
 from tenantq.dispatch.settle import BatchRun, is_transient
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.errors import TenantqError
-from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.fairness import ClaimRequest, PickNotes, claim_next
 from tenantq.fairness.slots import class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
@@ -239,7 +239,7 @@ class Worker:
         while not self.stopping.is_set():
             seen = self.wakeup.generation
             try:
-                batch = self._claim()
+                batch, token_in = self._claim()
             except Exception as exc:
                 claim_errors += 1
                 if not self._claim_failed(exc, claim_errors):
@@ -248,9 +248,11 @@ class Worker:
             claim_errors = 0
             self._succeeded("claims")
             if batch is None:
-                if self.config.once:
+                # a rate-limited tenant passed over gets a token soon: wait
+                # that long, not a whole poll (and --once waits for it too)
+                if self.config.once and token_in is None:
                     return
-                self.wakeup.wait(seen, self.config.poll_seconds)
+                self.wakeup.wait(seen, min(self.config.poll_seconds, token_in or self.config.poll_seconds))
                 continue
             try:
                 failure = self._run_batch(batch, lent=is_lent(slot, batch.priority, self.reserved))
@@ -290,8 +292,11 @@ class Worker:
         self.stopping.wait(delay)
         return True
 
-    def _claim(self) -> Batch | None:
+    def _claim(self) -> tuple[Batch | None, float | None]:
+        """The next batch; else None and how soon a rate-limited tenant
+        passed over gets a token (None: none was passed over)."""
         assert self._pool is not None
+        notes = PickNotes()
         cfg = self.config
         kinds = None if self.kinds is None else tuple(sorted(self.kinds))
         request = ClaimRequest(worker_id=cfg.worker_id, driver=self.executor.name,
@@ -306,16 +311,16 @@ class Worker:
             for priority in class_order():
                 if priority not in with_work:
                     continue
-                batch = claim_next(conn, request, priority)
+                batch = claim_next(conn, request, priority, notes=notes)
                 if batch is not None:
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:
                         waits.observe(job.waited, metrics.exemplar(job.id, job.tenant_id, job.actor))
                     self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
-                    return batch
+                    return batch, None
                 if priority == "interactive":
                     self.interactive_waiting.clear()
-        return None
+        return None, notes.next_token_in
 
     def _should_stop(self, batch: Batch, lent: bool) -> bool:
         if self.stopping.is_set() or self.leases.is_lost(batch.batch_id):

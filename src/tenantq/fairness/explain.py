@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from tenantq.store import rates
 from tenantq.store import workers as worker_registry
 from tenantq.store.db import Conn
 from tenantq.store.model import JobInfo
@@ -26,7 +27,8 @@ def why_waiting_steps(job: JobInfo) -> Steps[list[str]]:
     rows = yield Query(sql("explain", "job"), {"id": job.id})
     if not rows:
         return []
-    return reasons(job, rows[0], (yield from worker_registry.live_steps()))
+    limited = yield from rates.waiting_steps(job.tenant_id, job.kind)
+    return limited + reasons(job, rows[0], (yield from worker_registry.live_steps()))
 
 
 def reasons(job: JobInfo, row: dict[str, Any], workers: Sequence[dict[str, Any]] | None = None) -> list[str]:

@@ -19,19 +19,31 @@ so the next pick does not probe it again.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import datetime
 
 from tenantq.fairness import drr
-from tenantq.store import jobs
+from tenantq.store import jobs, rates
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, Priority
-from tenantq.store.queries import sql
+from tenantq.store.queries import composed, sql
 
 # Candidate queues read per side of the cursor. A probe only fails for a
 # queue whose runnable jobs were all taken since the last look, or a tenant
 # at its cap; each failed probe fixes the queue's hint.
 PROBE_LIMIT = 32
+
+
+@dataclass
+class PickNotes:
+    """What a pick that found nothing learnt: how soon a rate-limited
+    tenant it passed over gets a token (the slot waits no longer)."""
+
+    next_token_in: float | None = None
+
+    def token_in(self, seconds: float) -> None:
+        self.next_token_in = seconds if self.next_token_in is None else min(self.next_token_in, seconds)
 
 
 @dataclass(frozen=True)
@@ -53,15 +65,17 @@ class ClaimRequest:
 
 
 def claim_next(
-    conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None
+    conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None,
+    notes: PickNotes | None = None,
 ) -> Batch | None:
     """Lease the next batch of `priority` work, or None if there is none."""
+    notes = notes if notes is not None else PickNotes()
     # Pipelined: BEGIN, the cursor lock and the candidate read go out in one
     # round trip; the claim is a second; the writes and COMMIT a third.
     with conn.pipeline(), conn.transaction():
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
         kinds = None if request.kinds is None else list(request.kinds)
-        found = conn.execute(sql("queues", "candidates"),
+        found = conn.execute(composed("queues", "candidates", rate_columns="rate_columns"),
                              {"priority": priority, "limit": PROBE_LIMIT, "kinds": kinds, "now": now})
         row = locked.fetchone()
         assert row is not None, "scheduler rows are created by the schema"
@@ -75,10 +89,18 @@ def claim_next(
                 weight=int(str(r["weight"])),
                 # never trusted to be a usable number (see drr.safe_deficit)
                 deficit=drr.safe_deficit(r["deficit"]),
-                at_cap=r["max_sandboxes"] is not None and int(str(r["live"])) >= int(str(r["max_sandboxes"])),
+                # a tenant at its cap, or with no token left, is passed over:
+                # no credit, no charge, nobody waits for it
+                at_cap=_at_cap_hint(r) or (r["rate_tokens"] is not None and float(str(r["rate_tokens"])) < 1),
             )
             for r in rows
         ]
+        rate_limited = {str(r["tenant_id"]) for r in rows
+                        if r["rate_tokens"] is not None or r["kind_limited"]}
+        for r in rows:
+            tokens = r["rate_tokens"]
+            if tokens is not None and float(str(tokens)) < 1:
+                notes.token_in(rates.refill_seconds(float(str(tokens)), float(str(r["rate_per_second"]))))
         capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
         egress_of = {str(r["tenant_id"]): tuple(str(e) for e in (r["egress"] or ())) for r in rows}  # type: ignore[attr-defined]
         # runtime mode: until a queue has history, assume a batch costs one quantum
@@ -92,29 +114,48 @@ def claim_next(
             if not visit.eligible:
                 walked_past[visit.tenant_id] = visit.deficit  # runtime debt shrinks by one quantum
                 continue
+            limits = None
+            if visit.tenant_id in rate_limited:
+                # under the buckets' row locks until commit (rates.py)
+                limits = rates.for_claim(conn, visit.tenant_id, kinds, now=now)
+                if limits.refill_in is not None:
+                    notes.token_in(limits.refill_in)
+                if limits.tenant is not None and limits.tenant < 1:
+                    continue
             if visit.tenant_id in capped and _at_cap(conn, visit.tenant_id, now):
                 continue
             batch = jobs.claim(
                 conn,
                 tenant_id=visit.tenant_id,
                 priority=priority,
-                limit=visit.max_jobs,
+                limit=visit.max_jobs if limits is None or limits.tenant is None
+                else min(visit.max_jobs, limits.tenant),
                 worker_id=request.worker_id,
                 driver=request.driver,
                 lease_seconds=request.lease_seconds,
                 kinds=request.kinds,
+                quotas=None if limits is None else limits.kinds,
                 now=now,
             )
             if batch is None:
+                if limits is not None and limits.exhausted:
+                    continue  # its runnable kinds may all be out of tokens: the hint stays
                 # nothing runnable of our kinds: no credit kept, nothing
                 # charged, and the hint is fixed so we do not come back
                 _settle_queue_hint(conn, visit.tenant_id, priority, now)
                 continue
+            if limits is not None:
+                rates.take(conn, limits, Counter(j.kind for j in batch.jobs), now=now)
             # the tenant's egress rules travel with the batch to its sandbox
             batch = replace(batch, egress=egress_of[visit.tenant_id])
             est = estimates[visit.tenant_id]
             deficit, keep_turn = drr.charge(visit, claimed=len(batch.jobs), mode=request.fair_by,
                                             est_job_cost=est)
+            if limits is not None and len(batch.jobs) < visit.max_jobs:
+                # bounded by its tokens, not its credit: the turn ends (tenants
+                # sharing a kind's limit take turns) and no credit is banked
+                # (it would let the tenant run ahead of others once unlimited)
+                deficit, keep_turn = min(deficit, 0.0), False
             _set_deficits(conn, priority, {**walked_past, visit.tenant_id: deficit})
             if request.fair_by is drr.Mode.RUNTIME:
                 conn.execute(sql("batches", "set_charged"),
@@ -125,6 +166,11 @@ def claim_next(
         if walked_past:
             _set_deficits(conn, priority, walked_past)
         return None
+
+
+def _at_cap_hint(row: dict[str, object]) -> bool:
+    cap = row["max_sandboxes"]
+    return cap is not None and int(str(row["live"])) >= int(str(cap))
 
 
 def _at_cap(conn: Conn, tenant_id: str, now: datetime | None) -> bool:

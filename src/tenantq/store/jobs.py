@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -18,7 +18,7 @@ from tenantq.store import validation
 from tenantq.store.db import Conn
 from tenantq.store.history import history_steps, outcome_note
 from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
-from tenantq.store.queries import qualified, sql
+from tenantq.store.queries import composed, qualified, sql
 from tenantq.store.steps import Query, Steps, run
 
 
@@ -126,6 +126,7 @@ def claim(
     driver: str,
     lease_seconds: float,
     kinds: Sequence[str] | None = None,
+    quotas: Mapping[str, int] | None = None,
     now: datetime | None = None,
 ) -> Batch | None:
     """Lease up to `limit` runnable jobs of one tenant and class, of the
@@ -134,19 +135,26 @@ def claim(
     A job whose payload cannot be decoded is leased like the others, with an
     `UndecodablePayload` as its payload: the claim must not fail on one
     stored row (it would fail again on every claim of that tenant)."""
-    rows = conn.execute(
-        sql("jobs", "claim"),
-        {
-            "tenant_id": tenant_id,
-            "priority": priority,
-            "limit": limit,
-            "worker_id": worker_id,
-            "driver": driver,
-            "lease_seconds": lease_seconds,
-            "kinds": None if kinds is None else list(kinds),
-            "now": now,
-        },
-    ).fetchall()
+    params: dict[str, Any] = {
+        "tenant_id": tenant_id,
+        "priority": priority,
+        "limit": limit,
+        "worker_id": worker_id,
+        "driver": driver,
+        "lease_seconds": lease_seconds,
+        "kinds": None if kinds is None else list(kinds),
+        "now": now,
+    }
+    if quotas:
+        # some kinds are rate limited (rates.py): at most `quotas[kind]` of each
+        exhausted = sorted(k for k, n in quotas.items() if n < 1)
+        limited = sorted(k for k, n in quotas.items() if n >= 1)
+        params.update(exhausted=exhausted, quota_kinds=limited, quotas=[quotas[k] for k in limited],
+                      scan=limit * 4)
+        statement = composed("jobs", "claim_within_quotas", lease="lease")
+    else:
+        statement = composed("jobs", "claim", lease="lease")
+    rows = conn.execute(statement, params).fetchall()
     if not rows:
         return None
     rows.sort(key=lambda r: int(str(r["id"])))

@@ -15,6 +15,7 @@ from typing import LiteralString
 from psycopg.sql import SQL, Composed, Identifier
 
 _MARKER = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_FRAGMENT = re.compile(r"\{[a-z_]+\}")
 
 
 def parse_blocks(text: str) -> dict[str, str]:
@@ -41,8 +42,8 @@ def sql(noun: str, name: str) -> LiteralString:
     package, never from input (mypy treats LiteralString as str).
     """
     text = _block(noun, name)
-    if "{schema}" in text:
-        raise KeyError(f"SQL block {name!r} in {noun}.sql names its schema: use qualified()")
+    if "{" in text and "}" in text and ("{schema}" in text or _FRAGMENT.search(text)):
+        raise KeyError(f"SQL block {name!r} in {noun}.sql has placeholders: use qualified() or composed()")
     return text
 
 
@@ -55,6 +56,13 @@ def qualified(noun: str, name: str, schema: str) -> Composed:
     names are qualified instead of relying on search_path, which tenantq
     never changes on a connection it does not own."""
     return SQL(_block(noun, name)).format(schema=Identifier(schema))
+
+
+@cache
+def composed(noun: str, name: str, **fragments: str) -> Composed:
+    """The statement `name` with each `{fragment}` replaced by the block of
+    that name in the same file (one text for what two statements share)."""
+    return SQL(_block(noun, name)).format(**{k: SQL(_block(noun, v)) for k, v in fragments.items()})
 
 
 def _block(noun: str, name: str) -> LiteralString:

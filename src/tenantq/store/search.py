@@ -22,12 +22,12 @@ from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import Any
 
-from psycopg.sql import SQL, Composed
+from psycopg.sql import Composed
 from psycopg.types.json import Jsonb
 
 from tenantq.errors import InvalidInput
 from tenantq.store import validation
-from tenantq.store.queries import sql
+from tenantq.store.queries import composed
 
 STATUSES = ("pending", "running", "done", "dead", "cancelled")
 DEFAULT_LIMIT = 50
@@ -68,24 +68,26 @@ class JobFilter:
     actor: str | None = None
     meta: dict[str, Any] | None = None
     since_seconds: float | None = None
+    priority: str | None = None
 
     @property
     def empty(self) -> bool:
         return all(v is None for v in (self.tenant, self.kind, self.status, self.actor, self.meta,
-                                       self.since_seconds))
+                                       self.since_seconds, self.priority))
 
     def params(self, now: datetime | None = None) -> dict[str, Any]:
         """The statement parameters of the `filters` block."""
         return {
             "tenant_id": self.tenant, "kind": self.kind, "status": self.status, "actor": self.actor,
             "meta": None if self.meta is None else Jsonb(self.meta),
-            "since_seconds": self.since_seconds, "now": now,
+            "since_seconds": self.since_seconds, "priority": self.priority, "now": now,
         }
 
     def query_items(self) -> list[tuple[str, str]]:
         """The filters as URL query items (the dashboard's links and forms)."""
         items = [(name, value) for name, value in (("tenant", self.tenant), ("kind", self.kind),
-                                                   ("status", self.status), ("actor", self.actor))
+                                                   ("status", self.status), ("actor", self.actor),
+                                                   ("priority", self.priority))
                  if value is not None]
         if self.meta is not None:
             items += [("meta", item) for item in meta_items(self.meta)]
@@ -111,6 +113,7 @@ def job_filter(
     actor: object = None,
     meta: object = None,
     since: object = None,
+    priority: object = None,
 ) -> JobFilter:
     """Validate every filter (see the module docstring); "" counts as unset."""
     return JobFilter(
@@ -120,6 +123,7 @@ def job_filter(
         actor=None if _unset(actor) else validation.actor(actor),
         meta=parse_meta(meta),
         since_seconds=parse_since(since),
+        priority=None if _unset(priority) else validation.priority(priority),
     )
 
 
@@ -250,4 +254,4 @@ def cursor_of(row: Mapping[str, Any]) -> str:
 @cache
 def statement(name: str) -> Composed:
     """The block `name` of search.sql, its `{filters}` filled in."""
-    return SQL(sql("search", name)).format(filters=SQL(sql("search", "filters")))
+    return composed("search", name, filters="filters")

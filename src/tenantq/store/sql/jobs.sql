@@ -113,7 +113,44 @@ WITH clock AS (
     ORDER BY j.run_after, j.id
     LIMIT %(limit)s
     FOR UPDATE OF j SKIP LOCKED
-), batch AS (
+), {lease};
+
+-- name: claim_within_quotas
+-- `claim` for a tenant some of whose kinds are rate limited (rates.py):
+-- kinds whose buckets are empty (%(exhausted)s) are not read at all, and
+-- at most %(quotas)s jobs of each limited kind are taken (oldest first per
+-- kind, row_number() over the locked rows). FOR UPDATE cannot go with a
+-- window function, so the rows are locked in `scanned` (at most
+-- %(scan)s); those left out stay locked only until the pick commits.
+WITH clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), scanned AS MATERIALIZED (
+    SELECT j.id, j.kind, j.run_after
+    FROM jobs j, clock
+    WHERE j.tenant_id = %(tenant_id)s
+      AND j.priority = %(priority)s
+      AND j.status = 'pending'
+      AND j.run_after <= clock.now
+      AND (%(kinds)s::text[] IS NULL OR j.kind = ANY(%(kinds)s::text[]))
+      AND NOT (j.kind = ANY(%(exhausted)s::text[]))
+    ORDER BY j.run_after, j.id
+    LIMIT %(scan)s
+    FOR UPDATE OF j SKIP LOCKED
+), picked AS MATERIALIZED (
+    SELECT r.id FROM (
+        SELECT s.id, s.run_after, q.quota,
+               row_number() OVER (PARTITION BY s.kind ORDER BY s.run_after, s.id) AS nth
+        FROM scanned s
+        LEFT JOIN unnest(%(quota_kinds)s::text[], %(quotas)s::integer[]) AS q(kind, quota) ON q.kind = s.kind
+    ) AS r
+    WHERE r.quota IS NULL OR r.nth <= r.quota
+    ORDER BY r.run_after, r.id
+    LIMIT %(limit)s
+), {lease};
+
+-- name: lease
+-- (a fragment: the end of `claim` and `claim_within_quotas`, after `picked`)
+batch AS (
     INSERT INTO batches (tenant_id, priority, worker_id, sandbox_driver, job_count,
                          lease_expires_at, created_at, heartbeat_at)
     SELECT %(tenant_id)s, %(priority)s, %(worker_id)s, %(driver)s, count(*),

@@ -61,8 +61,11 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- same index scan (LIMIT counts the rows that pass), so the index and its
 -- order are unchanged. A paused tenant (tenants.paused_at) is no
 -- candidate: its queues keep their work and their place, and nothing else
--- waits for it.
+-- waits for it. The `rate_columns` block (filled in below): the tenant's
+-- bucket tokens and whether any kind bucket may bound it (rates.py); two
+-- primary-key probes of a small table per candidate.
 (SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
+        {rate_columns},
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
@@ -76,6 +79,7 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
 (SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress,
+        {rate_columns},
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
              WHERE b.tenant_id = q.tenant_id AND b.ended_at IS NULL
@@ -190,3 +194,10 @@ FROM (
 WHERE q.tenant_id = p.tenant_id AND q.priority = p.priority
   AND p.next_run_at IS NOT NULL AND NOT q.has_work
 RETURNING q.tenant_id, q.priority;
+
+-- name: rate_columns
+-- (a fragment of `candidates`) NULL tokens: no tenant limit.
+(SELECT least(r.burst, r.tokens + r.per_second * greatest(0, extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - r.refilled_at)))
+ FROM rate_limits r WHERE r.tenant_id = q.tenant_id AND r.kind = '') AS rate_tokens,
+(SELECT r.per_second FROM rate_limits r WHERE r.tenant_id = q.tenant_id AND r.kind = '') AS rate_per_second,
+EXISTS (SELECT 1 FROM rate_limits k WHERE k.tenant_id IN (q.tenant_id, '') AND k.kind <> '') AS kind_limited

@@ -265,3 +265,24 @@ CREATE TABLE schedules (
     CONSTRAINT schedule_name_unique UNIQUE (tenant_id, name)
 );
 CREATE INDEX schedules_due ON schedules (next_fire_at) WHERE NOT paused;
+
+-- Rate limits (migration 0007): token buckets shared by every worker, for
+-- a tenant (kind ''), a tenant's kind, or a kind across tenants (tenant_id '').
+CREATE TABLE rate_limits (
+    tenant_id   text NOT NULL,
+    kind        text NOT NULL,
+    per_second  double precision NOT NULL
+        CONSTRAINT rate_positive CHECK (per_second > 0 AND per_second < 'Infinity'::float8),
+    burst       double precision NOT NULL
+        CONSTRAINT burst_range CHECK (burst >= 1 AND burst < 'Infinity'::float8),
+    tokens      double precision NOT NULL
+        CONSTRAINT tokens_finite CHECK (tokens > '-Infinity'::float8 AND tokens < 'Infinity'::float8),
+    refilled_at timestamptz NOT NULL,
+    -- a kind's global bucket: the tenant that found it empty first gets
+    -- the next token (until next_until), so tenants sharing the limit take
+    -- turns instead of the first in rotation order taking every token
+    next_tenant text,
+    next_until  timestamptz,
+    PRIMARY KEY (tenant_id, kind),
+    CONSTRAINT rate_limit_has_scope CHECK (tenant_id <> '' OR kind <> '')
+);

@@ -58,3 +58,28 @@ CREATE TABLE schedules (
     CONSTRAINT schedule_name_unique UNIQUE (tenant_id, name)
 );
 CREATE INDEX schedules_due ON schedules (next_fire_at) WHERE NOT paused;
+
+-- Rate limits: token buckets shared by every worker. A row limits a
+-- tenant (kind ''), a tenant's kind, or a kind across every tenant
+-- (tenant_id ''). `tokens` is the bucket as of `refilled_at`; readers add
+-- per_second * elapsed, capped at burst (rate_limits.sql `available`).
+-- The pick skips a tenant with no token and sizes its batch by its tokens,
+-- then takes them, in the pick's transaction (fairness/picker.py).
+CREATE TABLE rate_limits (
+    tenant_id   text NOT NULL,
+    kind        text NOT NULL,
+    per_second  double precision NOT NULL
+        CONSTRAINT rate_positive CHECK (per_second > 0 AND per_second < 'Infinity'::float8),
+    burst       double precision NOT NULL
+        CONSTRAINT burst_range CHECK (burst >= 1 AND burst < 'Infinity'::float8),
+    tokens      double precision NOT NULL
+        CONSTRAINT tokens_finite CHECK (tokens > '-Infinity'::float8 AND tokens < 'Infinity'::float8),
+    refilled_at timestamptz NOT NULL,
+    -- a kind's global bucket: the tenant that found it empty first gets
+    -- the next token (until next_until), so tenants sharing the limit take
+    -- turns instead of the first in rotation order taking every token
+    next_tenant text,
+    next_until  timestamptz,
+    PRIMARY KEY (tenant_id, kind),
+    CONSTRAINT rate_limit_has_scope CHECK (tenant_id <> '' OR kind <> '')
+);
