@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import boundary, chaos, egress, fairness, producer, sandbox, scaling, throughput, warm
+from bench import boundary, chaos, egress, fairness, producer, sandbox, scaling, soak, throughput, warm
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "egress": egress.run,
     "boundary": boundary.run,
     "producer": producer.run,
+    "soak": soak.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
@@ -28,6 +29,8 @@ SMALL: dict[str, dict[str, Any]] = {
     "warm": {"n": 2, "jobs_per_size": {1: 4, 10: 20}},
     "boundary": {"drivers": ("process",)},
     "producer": {"transactions": 20, "waits": 5, "waiters": 20},
+    "soak": {"total": 6_000, "rate": 3_000.0, "interval": 1.0, "workers": 1, "warmup": 0, "compare": False,
+             "plot": False},
     "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
 }
 

@@ -63,3 +63,27 @@ def plot_fairness(payload: dict[str, Any], path: Path = DOCS / "fairness-wait.pn
 if __name__ == "__main__":
     # python -m bench.plot bench/results/fairness-....json
     print(plot_fairness(json.loads(Path(sys.argv[1]).read_text())))
+
+
+def plot_soak(payload: dict[str, Any], path: Path = DOCS / "soak.png") -> Path:
+    """The soak's series over time, with and without retention."""
+    series = [("claim_p50_ms", "claim p50 (ms)"), ("drain_per_s", "drained jobs/s"),
+              ("jobs_mb", "jobs table (MB)"), ("small_wait_ms", "small tenant's wait p50 (ms)")]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.4), dpi=110)
+    for ax, (key, title) in zip(axes.flat, series, strict=True):
+        for run in payload["runs"]:
+            xs = [s["t_s"] for s in run["samples"]]
+            ys = [s[key] for s in run["samples"]]
+            label = "retention on" if run["retention"] else "no retention"
+            ax.plot(xs, ys, marker=".", label=label,
+                    color="#1f7a3a" if run["retention"] else "#c0392b", linewidth=1.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("time (s)", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    settings = payload["settings"]
+    fig.suptitle(f"Soak: {settings['total']:,} jobs at {settings['rate']:,.0f}/s", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

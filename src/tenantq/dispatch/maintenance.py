@@ -33,8 +33,10 @@ log = logging.getLogger("tenantq.maintenance")
 
 REPAIR_EVERY_SECONDS = 60.0
 # retention: how often a worker prunes finished jobs, in chunks of
-# PRUNE_CHUNK rows, for at most PRUNE_BUDGET_SECONDS per round (the rest
-# goes next round: a backlog never holds the maintenance thread for long)
+# PRUNE_CHUNK rows, for at most PRUNE_BUDGET_SECONDS per round; a round
+# that ran out of time with more to go is followed by another at the next
+# tick (a backlog never holds the maintenance thread for long, and pruning
+# keeps up with a busy queue)
 PRUNE_JOBS_EVERY_SECONDS = 60.0
 PRUNE_CHUNK = 1000
 PRUNE_BUDGET_SECONDS = 2.0
@@ -126,6 +128,8 @@ class Maintenance(threading.Thread):
         self._last_repair = 0.0
         self._last_prune = 0.0
         self._last_job_prune = 0.0
+        # the last round ran out of time with more to prune: go on next tick
+        self._prune_backlog = False
         self.retention = Settings().retention()
 
     def run(self) -> None:
@@ -153,7 +157,11 @@ class Maintenance(threading.Thread):
             for status, count in went.items():
                 total[status] = total.get(status, 0) + count
                 metrics.PRUNED.labels(status).inc(count)
-            if sum(went.values()) < PRUNE_CHUNK or time.monotonic() >= deadline:
+            if sum(went.values()) < PRUNE_CHUNK:
+                self._prune_backlog = False
+                break
+            if time.monotonic() >= deadline:
+                self._prune_backlog = True
                 break
         if total:
             log.info("pruned %s finished job(s) past their retention", total)
@@ -199,7 +207,7 @@ class Maintenance(threading.Thread):
             if now - self._last_repair >= REPAIR_EVERY_SECONDS:
                 self._last_repair = now
                 conn.execute(sql("queues", "repair"))
-            if now - self._last_job_prune >= PRUNE_JOBS_EVERY_SECONDS:
+            if now - self._last_job_prune >= PRUNE_JOBS_EVERY_SECONDS or self._prune_backlog:
                 self._last_job_prune = now
                 self.prune_jobs(conn)
             if now - self._last_prune >= PRUNE_EVERY_SECONDS:

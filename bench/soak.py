@@ -1,0 +1,218 @@
+"""Soak: millions of jobs through one schema, to see whether the queue stays
+fast and small over time (retention) or not (no retention).
+
+A producer process enqueues at a steady rate for several tenants (one
+whale with half the jobs); worker processes (`tenantq worker --sandbox
+inline`) drain them with retention on a short window, so pruning runs all
+along. Every `interval` seconds a sample: the pick-and-claim time of a
+probe (a tenant whose kind no worker serves, claimed by this process: the
+pick's candidate read and the claim, on the real, growing tables), the enqueue
+and drain rates, the `jobs` table and index sizes, its dead tuples, and a
+small tenant's wait (started_at - created_at, from the database).
+
+Pass: after the warm-up every figure stays within +-20% of its first
+sample, and the table stops growing. The same run without retention is
+printed beside it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from rich.console import Console
+from rich.table import Table
+
+from bench.common import machine_info, save, scratch_schema
+from tenantq import JobSpec, Queue
+from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.store import jobs as store_jobs
+from tenantq.store.db import Database
+from tenantq.store.model import Settlement
+
+console = Console(width=160)
+ROOT = Path(__file__).resolve().parent.parent
+PROBE_KIND = "soak.probe"
+SERIES = ("claim_p50_ms", "claim_p99_ms", "enqueue_per_s", "drain_per_s", "jobs_mb", "indexes_mb",
+          "dead_tuples", "small_wait_ms")
+
+
+def _produce(dsn: str, schema: str, total: int, rate: float, tenants: int, stop: Any) -> None:
+    """Enqueue `total` jobs at about `rate` per second, in bursts of 500:
+    half for the whale, the rest spread over `tenants` others; one job a
+    second for the small tenant whose wait is sampled."""
+    q = Queue(dsn, schema=schema)
+    sent, started, last_small = 0, time.monotonic(), 0.0
+    chunk = 500
+    while sent < total and not stop.is_set():
+        due = started + sent / rate
+        pause = due - time.monotonic()
+        if pause > 0:
+            stop.wait(pause)
+        specs = [JobSpec("whale" if i % 2 == 0 else f"t{i % tenants}", "soak.noop") for i in range(chunk)]
+        q.enqueue_many(specs)
+        sent += chunk
+        if time.monotonic() - last_small >= 1.0:
+            q.enqueue("small", "soak.noop")
+            last_small = time.monotonic()
+    q.close()
+
+
+def _probe(db: Database, n: int = 20) -> list[float]:
+    """Time n picks-and-claims of the probe tenant (its kind is served by no
+    worker), settling each at once."""
+    q = Queue(db.dsn, schema=db.schema)
+    q.enqueue_many([JobSpec("probe", PROBE_KIND) for _ in range(n)])
+    q.close()
+    request = ClaimRequest(worker_id="soak-probe", driver="none", batch_size=1, lease_seconds=60,
+                           kinds=(PROBE_KIND,))
+    times: list[float] = []
+    with db.connect() as conn:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            batch = claim_next(conn, request, "default")
+            times.append(time.perf_counter() - t0)
+            if batch is not None:
+                store_jobs.settle(conn, batch.batch_id, [Settlement(j.id, "done") for j in batch.jobs],
+                                  end_outcome="ok")
+    return times
+
+
+def _sample(db: Database, interval: float, enqueued_before: int) -> tuple[dict[str, float], int]:
+    with db.connect() as conn:
+        row = conn.execute(
+            "SELECT (SELECT count(*) FROM jobs WHERE finished_at > now() - make_interval(secs => %(i)s)"
+            "        AND status = 'done') AS drained,"
+            "       (SELECT coalesce(max(id), 0) FROM jobs) AS max_id,"
+            "       pg_table_size('jobs') AS table_bytes, pg_indexes_size('jobs') AS index_bytes,"
+            "       (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'jobs'::regclass) AS dead,"
+            "       (SELECT percentile_cont(0.5) WITHIN GROUP"
+            "               (ORDER BY extract(epoch FROM started_at - created_at))"
+            "        FROM jobs WHERE tenant_id = 'small'"
+            "          AND started_at > now() - make_interval(secs => %(i)s)) AS small_wait",
+            {"i": interval}).fetchone()
+    assert row is not None
+    claims = _probe(db)
+    enqueued = int(row["max_id"])
+    return {
+        "claim_p50_ms": statistics.median(claims) * 1000,
+        "claim_p99_ms": max(claims) * 1000,
+        "enqueue_per_s": (enqueued - enqueued_before) / interval,
+        "drain_per_s": float(row["drained"]) / interval,
+        "jobs_mb": float(row["table_bytes"]) / 2**20,
+        "indexes_mb": float(row["index_bytes"]) / 2**20,
+        "dead_tuples": float(row["dead"] or 0),
+        "small_wait_ms": float(row["small_wait"] or 0) * 1000,
+    }, enqueued
+
+
+def soak(*, total: int, rate: float, interval: float, retention: bool, workers: int,
+         tenants: int) -> dict[str, Any]:
+    with scratch_schema("soak") as db:
+        env = {**os.environ, "TENANTQ_DATABASE_URL": db.dsn, "TENANTQ_SCHEMA": db.schema,
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        window = "120s" if retention else "3650d"
+        env.update(TENANTQ_RETAIN_DONE=window, TENANTQ_RETAIN_CANCELLED=window, TENANTQ_RETAIN_DEAD=window)
+        procs = [subprocess.Popen(
+            [str(Path(sys.executable).parent / "tenantq"), "worker", "--app", "bench.soak_app",
+             "--sandbox", "inline", "--concurrency", "2", "--batch-size", "500"],
+            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(workers)]
+        stop = mp.Event()
+        producer = mp.Process(target=_produce, args=(db.dsn, db.schema, total, rate, tenants, stop))
+        samples: list[dict[str, float]] = []
+        try:
+            producer.start()
+            started, enqueued = time.monotonic(), 0
+            while producer.is_alive() or _pending(db) > 0:
+                next_at = started + (len(samples) + 1) * interval
+                while time.monotonic() < next_at and (producer.is_alive() or _pending(db) > 0):
+                    time.sleep(min(1.0, max(0.0, next_at - time.monotonic())))
+                if time.monotonic() < next_at:
+                    break
+                sample, enqueued = _sample(db, interval, enqueued)
+                sample["t_s"] = time.monotonic() - started
+                samples.append(sample)
+                console.print(f"  {'retention' if retention else 'no retention'} "
+                              f"t={sample['t_s']:.0f}s " + " ".join(f"{k}={sample[k]:.1f}" for k in SERIES))
+        finally:
+            stop.set()
+            producer.join(30)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(60)
+    return {"retention": retention, "samples": samples}
+
+
+def _pending(db: Database) -> int:
+    with psycopg.connect(db.dsn) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{db.schema}".jobs '
+                           "WHERE status IN ('pending', 'running') AND kind <> %s", (PROBE_KIND,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def verdict(samples: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+    """Each series after the warm-up against its first sample (+-20%), and
+    whether the table stopped growing (the last third within 20% of each other)."""
+    steady = samples[warmup:]
+    if len(steady) < 3:
+        return {"pass": False, "why": "too few samples after the warm-up"}
+    out: dict[str, Any] = {}
+    ok = True
+    for key in SERIES:
+        first = steady[0][key]
+        worst = max((abs(s[key] - first) / first if first else 0.0) for s in steady)
+        out[key] = worst
+        if key not in ("dead_tuples",) and worst > 0.20:
+            ok = False
+    tail = [s["jobs_mb"] for s in steady[-max(3, len(steady) // 3):]]
+    out["table_stopped_growing"] = max(tail) <= min(tail) * 1.2
+    out["pass"] = ok and out["table_stopped_growing"]
+    return out
+
+
+def run(*, total: int = 2_000_000, rate: float = 5_000.0, interval: float = 30.0, workers: int = 2,
+        tenants: int = 20, warmup: int = 2, compare: bool = True, plot: bool = True) -> dict[str, Any]:
+    with scratch_schema("soakinfo") as db:
+        info = machine_info(db)
+    runs = [soak(total=total, rate=rate, interval=interval, retention=True, workers=workers, tenants=tenants)]
+    if compare:
+        runs.append(soak(total=total, rate=rate, interval=interval, retention=False, workers=workers,
+                         tenants=tenants))
+    for r in runs:
+        r["verdict"] = verdict(r["samples"], warmup)
+    table = Table(title=f"Soak: {total:,} jobs at {rate:,.0f}/s, {workers} worker processes, sample every "
+                        f"{interval:g} s (first and last sample after a {warmup}-sample warm-up)")
+    table.add_column("series")
+    for r in runs:
+        label = "retention 120 s" if r["retention"] else "no retention"
+        table.add_column(f"{label}: first", justify="right")
+        table.add_column("last", justify="right")
+        table.add_column("worst drift", justify="right")
+    for key in SERIES:
+        cells = [key]
+        for r in runs:
+            steady = r["samples"][warmup:] or r["samples"]
+            cells += [f"{steady[0][key]:.1f}", f"{steady[-1][key]:.1f}",
+                      f"{r['verdict'].get(key, 0) * 100:.0f}%"]
+        table.add_row(*cells)
+    console.print(table)
+    for r in runs:
+        console.print(f"{'retention' if r['retention'] else 'no retention'}: "
+                      f"{'PASS' if r['verdict']['pass'] else 'FAIL'} "
+                      f"(table stopped growing: {r['verdict'].get('table_stopped_growing')})")
+    payload = {"machine": info, "settings": {"total": total, "rate": rate, "interval": interval,
+                                             "workers": workers, "tenants": tenants}, "runs": runs}
+    if plot:
+        from bench.plot import plot_soak
+
+        console.print(f"plot: {plot_soak(payload)}")
+    console.print(f"saved {save('soak', payload)}")
+    return payload
