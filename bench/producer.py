@@ -119,7 +119,7 @@ def wait_sync(db: Database, n: int) -> list[float]:
             # moment to block (a settle before the subscription is also
             # caught, by the status read, but then there is no wake-up to time)
             deadline = time.monotonic() + 5
-            while q.listener().waiting() == 0 and time.monotonic() < deadline:
+            while q._listener().waiting() == 0 and time.monotonic() < deadline:
                 time.sleep(0.0005)
             time.sleep(0.002)
             settled = _settle_one(conn, tenant)
@@ -137,7 +137,7 @@ async def wait_async(db: Database, n: int) -> list[float]:
                 tenant = f"a{i}"
                 job_id = await q.enqueue(tenant, "bench.noop")
                 task = asyncio.create_task(q.wait(job_id, timeout=30))
-                while q.listener().waiting() == 0:
+                while q._listener().waiting() == 0:
                     await asyncio.sleep(0.0005)
                 await asyncio.sleep(0.002)
                 settled = await asyncio.to_thread(_settle_one, conn, tenant)
@@ -157,7 +157,7 @@ async def many_waiters(db: Database, n: int) -> dict[str, Any]:
         ids = await q.enqueue_many([JobSpec("many", "bench.noop") for _ in range(n)])
         tasks = [asyncio.create_task(q.wait(job_id, timeout=120)) for job_id in ids]
         deadline = time.monotonic() + 60
-        while q.listener().waiting() < n and time.monotonic() < deadline:
+        while q._listener().waiting() < n and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         with db.connect() as conn:
             rows = conn.execute("SELECT application_name, count(*) AS n FROM pg_stat_activity "

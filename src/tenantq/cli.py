@@ -4,6 +4,7 @@ with one line on stderr and changes nothing."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -74,6 +75,8 @@ def enqueue(tenant: str, kind: str, payload: str, priority: str, max_attempts: i
     meta = _meta_option(meta_items)
     if timeout is not None and not wait_:
         raise InvalidInput("--timeout goes with --wait")
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        raise InvalidInput(f"--timeout must be a number of seconds, 0 or more, got {timeout}")
     with _queue() as q:
         job_id = q.enqueue(tenant, kind, parsed, priority=priority, max_attempts=max_attempts,
                            delay=delay, key=key, actor=actor, meta=meta)
@@ -115,15 +118,17 @@ def _meta_option(items: tuple[str, ...]) -> dict[str, Any] | None:
 @click.option("--tenant", default=None)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def status(tenant: str | None, as_json: bool) -> None:
-    """Per tenant and class: pending, running, done, dead, oldest pending age."""
+    """Per tenant and class: pending, running, done, dead, oldest pending age;
+    the tenants (paused ones marked); each schedule's next fire."""
     from tenantq.render import status_tables
 
     with _queue() as q:
         rows, tenants, batches = q.status(tenant), q.tenants(tenant), q.running_batches()
+        schedules = q.schedules(tenant)
     if as_json:
-        _emit_json({"queues": rows, "tenants": tenants, "running_batches": batches})
+        _emit_json({"queues": rows, "tenants": tenants, "running_batches": batches, "schedules": schedules})
         return
-    status_tables(rows, tenants, batches)
+    status_tables(rows, tenants, batches, schedules)
 
 
 @cli.command()
@@ -142,13 +147,95 @@ def job(job_id: int, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("job_id", type=int)
-def cancel(job_id: int) -> None:
-    """Cancel a pending job."""
+@click.argument("job_id", type=int, required=False)
+@click.option("--by", default=None, metavar="WHO", help="Who cancels (shown by `tenantq job`).")
+@click.option("--tenant", default=None, help="Bulk: cancel this tenant's pending jobs (and the filters).")
+@click.option("--kind", default=None, help="Bulk: only jobs of this kind.")
+@click.option("--priority", default=None, help="Bulk: only jobs of this class: interactive | default | bulk.")
+@click.option("--running", is_flag=True, help="Bulk: also ask the matching running jobs to stop.")
+def cancel(job_id: int | None, by: str | None, tenant: str | None, kind: str | None,
+           priority: str | None, running: bool) -> None:
+    """Cancel a job: a pending one ends `cancelled` at once; a running one
+    is stopped by its worker (a sandboxed job killed within about a
+    second, an inline handler told through ctx.cancelled) and ends
+    `cancelled`. A job that already ended is an error.
+
+    \b
+      tenantq cancel 42 --by alice
+      tenantq cancel --tenant acme --kind reports.render            # pending ones
+      tenantq cancel --tenant acme --priority bulk --running        # and running ones"""
+    if by is not None:
+        try:
+            validation.actor(by)
+        except InvalidInput as exc:
+            raise InvalidInput(f"--by: {exc}") from None
+    if job_id is not None:
+        if tenant is not None or kind is not None or priority is not None or running:
+            raise InvalidInput("give a job id, or --tenant (with --kind, --priority, --running) to "
+                               "cancel in bulk, not both")
+        _cancel_one(job_id, by)
+        return
+    if tenant is None:
+        raise InvalidInput("give a job id, or --tenant T to cancel its pending jobs in bulk")
+    # every filter is checked before anything changes (the running ones are asked second)
+    validation.tenant_id(tenant)
+    if kind is not None:
+        validation.kind(kind)
+    if priority is not None:
+        validation.priority(priority)
     with _queue() as q:
-        if not q.cancel(job_id):
-            raise InvalidInput(f"job {job_id} is not pending; only pending jobs can be cancelled")
-    click.echo(f"cancelled {job_id}")
+        pending = q.cancel_jobs(tenant=tenant, kind=kind, priority=priority)
+        asked = q.cancel_running_jobs(tenant=tenant, kind=kind, priority=priority, by=by) if running else None
+    scope = ", ".join(f"{name} {value}" for name, value in (("tenant", tenant), ("kind", kind),
+                                                          ("priority", priority)) if value is not None)
+    click.echo(f"cancelled {pending} pending job(s) ({scope})")
+    if asked is not None:
+        click.echo(f"asked {asked} running job(s) to stop: their workers stop them")
+
+
+def _cancel_one(job_id: int, by: str | None) -> None:
+    with _queue() as q:
+        before = q.job(job_id).status  # JobNotFound: one line
+        if before not in ("pending", "running") or not q.cancel(job_id, by=by):
+            ended = q.job(job_id).status
+            raise InvalidInput(f"job {job_id} already ended ({ended}): there is nothing to cancel")
+        after = q.job(job_id).status
+    if after == "cancelled":
+        click.echo(f"cancelled {job_id}")
+    elif after == "running":
+        click.echo(f"cancelling {job_id}: its worker stops it (running)")
+    elif after == "pending":
+        # its lease expired meanwhile and it went back: a pending job is cancelled now
+        with _queue() as q:
+            q.cancel(job_id, by=by)
+            after = q.job(job_id).status
+        click.echo(f"cancelled {job_id}" if after == "cancelled"
+                   else f"cancelling {job_id}: its worker stops it ({after})")
+    else:
+        raise InvalidInput(f"job {job_id} ended {after} before its worker could stop it")
+
+
+@cli.command()
+@click.option("--older-than", default=None, metavar="DURATION",
+              help="Prune finished jobs older than this (30d, 12h...), whatever their retention.")
+@click.option("--dry-run", is_flag=True, help="Print what would go; delete nothing.")
+@click.option("--limit", type=click.IntRange(1, None), default=1_000_000, show_default=True,
+              help="Stop after this many jobs.")
+def prune(older_than: str | None, dry_run: bool, limit: int) -> None:
+    """Delete finished jobs past their retention now (workers do it every
+    minute): per status, TENANTQ_RETAIN_DONE / _CANCELLED / _DEAD or the
+    tenant's own (tenant set --retain-*), with their attempt history.
+    Prints how many went (or, with --dry-run, would go) by status."""
+    seconds = None if older_than is None else validation.duration(older_than, "--older-than")
+    with _queue() as q:
+        went = q.prune(older_than_seconds=seconds, dry_run=dry_run, limit=limit)
+    counts = {status: went.get(status, 0) for status in ("done", "cancelled", "dead")}
+    total = sum(counts.values())
+    detail = ", ".join(f"{status} {n}" for status, n in counts.items())
+    verb = "would prune" if dry_run else "pruned"
+    click.echo(f"{verb} {total} finished job(s): {detail}")
+    if total >= limit:
+        click.echo(f"stopped at --limit {limit}: run it again for the rest", err=True)
 
 
 @cli.group()
@@ -198,13 +285,50 @@ def tenant() -> None:
 @click.option("--max-sandboxes", type=int, default=None, help="Cap on running batches; 0 = no cap.")
 @click.option("--egress", default=None,
               help='Hosts its sandboxed jobs may reach: "api.stripe.com,*.salesforce.com:443"; "" = none.')
-def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, egress: str | None) -> None:
-    """Set a tenant's weight, concurrency cap and egress rules."""
+@click.option("--retain-done", default=None, metavar="DURATION",
+              help="Keep its done jobs this long (30d, 12h...); default: TENANTQ_RETAIN_DONE again.")
+@click.option("--retain-cancelled", default=None, metavar="DURATION",
+              help="Keep its cancelled jobs this long; default: TENANTQ_RETAIN_CANCELLED again.")
+@click.option("--retain-dead", default=None, metavar="DURATION",
+              help="Keep its dead jobs this long; default: TENANTQ_RETAIN_DEAD again.")
+def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, egress: str | None,
+               retain_done: str | None, retain_cancelled: str | None, retain_dead: str | None) -> None:
+    """Set a tenant's weight, concurrency cap, egress rules and retention
+    (how long its finished jobs are kept, per status; the word `default`
+    removes the tenant's own window)."""
     with _queue() as q:
-        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress)
+        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress,
+                           retain_done=retain_done, retain_cancelled=retain_cancelled,
+                           retain_dead=retain_dead)
+    from tenantq.render import seconds_text
+
     cap = row["max_sandboxes"] if row["max_sandboxes"] is not None else "none"
-    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}, "
+    windows = [row.get(f"retain_{status}_seconds") for status in ("done", "cancelled", "dead")]
+    retention = ""
+    if any(w is not None for w in windows) or (retain_done, retain_cancelled, retain_dead) != (None,) * 3:
+        retention = (f"retain done {seconds_text(windows[0])}, cancelled {seconds_text(windows[1])}, "
+                     f"dead {seconds_text(windows[2])}, ")
+    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}, {retention}"
                f"egress {', '.join(row['egress']) or 'none'}")
+
+
+@tenant.command("pause")
+@click.argument("tenant_id")
+def tenant_pause(tenant_id: str) -> None:
+    """Pause a tenant: no new batch of its jobs starts (running ones
+    finish); enqueueing goes on; `tenantq job` says why its jobs wait."""
+    with _queue() as q:
+        q.pause_tenant(tenant_id, paused=True)
+    click.echo(f"paused tenant {tenant_id}: no new batch of its jobs starts; running ones finish")
+
+
+@tenant.command("resume")
+@click.argument("tenant_id")
+def tenant_resume(tenant_id: str) -> None:
+    """Resume a paused tenant: its jobs are picked again."""
+    with _queue() as q:
+        q.pause_tenant(tenant_id, paused=False)
+    click.echo(f"resumed tenant {tenant_id}")
 
 
 @cli.command()
@@ -299,11 +423,13 @@ def db_stop() -> None:
 def _add_subcommands() -> None:
     from tenantq.cli_jobs import jobs
     from tenantq.cli_sandbox import template
+    from tenantq.cli_schedule import schedule
     from tenantq.cli_worker import worker
 
     cli.add_command(worker)
     cli.add_command(template)
     cli.add_command(jobs)
+    cli.add_command(schedule)
 
 
 _add_subcommands()

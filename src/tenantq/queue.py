@@ -47,6 +47,7 @@ class Queue(SyncRunner, Operations, Finding, Scheduling):
         return migrate(self.db)
 
     def close(self) -> None:
+        self._release_listener()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
@@ -99,6 +100,7 @@ class AsyncQueue(AsyncRunner, Operations, Finding, Scheduling):
         return await asyncio.to_thread(migrate, self.db)
 
     async def close(self) -> None:
+        self._release_listener()
         if self._pool is not None:
             await self._pool.close()
             self._pool = None

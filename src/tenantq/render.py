@@ -49,8 +49,83 @@ def _age(seconds: Any) -> str:
     return f"{s / 3600:.1f}h"
 
 
+def span(seconds: float) -> str:
+    """A length of time for people: 45s, 4m 05s, 2h 10m, 3d 4h."""
+    total = max(0, int(seconds))
+    if total < 60:
+        return f"{total}s"
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours}h"
+
+
+def fire_time(value: Any, zone: str | None = None, *, now: datetime | None = None,
+              relative: bool = True) -> str:
+    """A schedule's fire time in its own time zone, and how far it is:
+    '2026-12-02 09:00 CET (in 20h 35m)'; '-' for none."""
+    if not isinstance(value, datetime):
+        return "-"
+    try:
+        from zoneinfo import ZoneInfo
+
+        local = value.astimezone(ZoneInfo(zone or "UTC"))
+    except (ValueError, KeyError, OSError):
+        local = value.astimezone(UTC)
+    shown = local.strftime("%Y-%m-%d %H:%M %Z")
+    if not relative:
+        return shown
+    delta = (value - (now or datetime.now(UTC))).total_seconds()
+    if delta >= 1:
+        return f"{shown} (in {span(delta)})"
+    if delta <= -1:
+        return f"{shown} ({span(-delta)} ago)"
+    return f"{shown} (now)"
+
+
+def seconds_text(value: Any) -> str:
+    """A retention override: 30d, 12h, 90m, 45s; 'default' for none."""
+    if value is None:
+        return "default"
+    seconds = float(value)
+    if seconds != int(seconds):
+        return f"{seconds:g}s"
+    whole = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if whole and whole % size == 0:
+            return f"{whole // size}{unit}"
+    return f"{whole}s"
+
+
+def schedules_table(rows: list[dict[str, Any]], *, title: str = "Schedules", full: bool = True) -> Table:
+    """Schedules, each with its next fire (in its time zone, and in how
+    long). `full`: also the last fire and job and the origin (`schedule list`)."""
+    columns = ["id", "tenant", "kind", "cron", "timezone", "next fire"]
+    if full:
+        columns += ["last fire", "last job"]
+    columns += ["paused"] + (["origin"] if full else [])
+    out = table(*columns, title=title, right=("id", "last job"))
+    now = datetime.now(UTC)
+    for r in rows:
+        zone = str(r["timezone"])
+        cells = [str(r["schedule_id"]), r["tenant_id"], r["kind"], r["cron"], zone,
+                 "paused" if r["paused"] else fire_time(r["next_fire_at"], zone, now=now)]
+        if full:
+            cells += [fire_time(r["last_fire_at"], zone, now=now),
+                      "-" if r["last_job_id"] is None else str(r["last_job_id"])]
+        cells.append("yes" if r["paused"] else "no")
+        if full:
+            cells.append(str(r["origin"]))
+        out.add_row(*(Text(str(cell)) for cell in cells))
+    return out
+
+
 def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
-                  batches: list[dict[str, Any]]) -> None:
+                  batches: list[dict[str, Any]], schedules: list[dict[str, Any]] | None = None) -> None:
     counts = ("pending", "runnable", "running", "done", "dead", "cancelled", "oldest pending")
     queues = table("tenant", "class", *counts, title="Queues (tenant x priority class)", right=counts)
     for r in rows:
@@ -59,11 +134,14 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
                        _age(r["oldest_pending_seconds"]))
     console.print(queues)
     numbers = ("weight", "max sandboxes", "running batches", "deficit")
-    fair = table("tenant", *numbers, "egress", title="Tenants", right=numbers)
+    fair = table("tenant", *numbers, "egress", "paused", title="Tenants", right=numbers)
     for t in tenants:
         cap = "-" if t["max_sandboxes"] is None else str(t["max_sandboxes"])
+        paused = t.get("paused_at")
         fair.add_row(t["tenant_id"], str(t["weight"]), cap, str(t["live_batches"]),
-                     f"{float(t['deficit']):.1f}", ", ".join(t.get("egress") or []) or "none")
+                     f"{float(t['deficit']):.1f}", ", ".join(t.get("egress") or []) or "none",
+                     f"paused since {paused.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
+                     if isinstance(paused, datetime) else "-")
     console.print(fair)
     if batches:
         live = table("batch", "tenant", "class", "driver", "jobs", "age", "worker", title="Running batches")
@@ -71,6 +149,8 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
             live.add_row(str(b["batch_id"]), b["tenant_id"], b["priority"], b["sandbox_driver"],
                          str(b["job_count"]), _age(b["age_seconds"]), b["worker_id"])
         console.print(live)
+    if schedules:
+        console.print(schedules_table(schedules, full=False))
 
 
 def job_panel(info: JobInfo) -> None:
@@ -90,6 +170,12 @@ def job_panel(info: JobInfo) -> None:
         panel.add_row("meta", _preview(info.meta))
     if info.finished_at:
         panel.add_row("finished", str(info.finished_at))
+    if info.cancel_requested_at:
+        # asked while it ran (a pending job is cancelled at once, without a request)
+        note = " (its worker is stopping it)" if info.status == "running" else ""
+        panel.add_row("cancel requested", f"{info.cancel_requested_at}{note}")
+    if info.cancelled_by:
+        panel.add_row("cancelled by", Text(info.cancelled_by))
     if info.lease_owner:
         panel.add_row("lease", f"batch {info.batch_id} held by {info.lease_owner} "
                                f"until {info.lease_expires_at}")

@@ -329,5 +329,5 @@ def test_reap_puts_back_jobs_of_an_expired_lease(cli: Cli, db: Database, queue: 
 
 def test_status_json_is_valid_on_an_empty_queue(cli: Cli) -> None:
     status = cli.json("status")
-    assert status == {"queues": [], "tenants": [], "running_batches": []}
+    assert status == {"queues": [], "tenants": [], "running_batches": [], "schedules": []}
     json.dumps(status)

@@ -218,7 +218,8 @@ def test_release_of_unstarted_jobs_refunds_the_attempt(queue: Queue, db: Databas
     assert [j.attempt for j in again.jobs] == [1, 1]
 
 
-def test_cancel_works_only_for_pending_jobs(queue: Queue, db: Database, conn: Conn, t0: datetime) -> None:
+def test_cancel_ends_a_pending_job_at_once_and_a_running_one_at_its_settle(
+        queue: Queue, db: Database, conn: Conn, t0: datetime) -> None:
     pending, running = queue.enqueue_many(
         [{"tenant": "acme", "kind": "demo.noop"}, {"tenant": "globex", "kind": "demo.noop"}], now=t0)
     batch = claim_next(conn, _request(), "default", now=at(t0, 1))
@@ -234,8 +235,9 @@ def test_cancel_works_only_for_pending_jobs(queue: Queue, db: Database, conn: Co
     assert _rows(db, [running])[0]["status"] == "running", "its worker stops and settles it"
     assert queue.job(running).cancelled_by == "usr_1" and queue.job(running).cancel_requested_at is not None
     jobs.settle(conn, batch.batch_id, [_done(running)], end_outcome="ok", now=at(t0, 2))
-    assert jobs.cancel(conn, running) is False
-    assert _rows(db, [running])[0]["status"] == "done"
+    assert _rows(db, [running])[0]["status"] == "cancelled", "the request wins over the reported outcome"
+    assert queue.job(running).result is None
+    assert jobs.cancel(conn, running) is False, "it has ended"
     with pytest.raises(tenantq.JobNotFound):
         queue.cancel(10**12)
     assert claim_next(conn, _request(), "default", now=at(t0, 3)) is None, "a cancelled job never runs"

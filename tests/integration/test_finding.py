@@ -36,7 +36,7 @@ def stop_listener(db: Database) -> None:
     """Stop and forget this process's completion listener for `db` (as
     tests/integration/test_wait.py does): a test leaves nothing running."""
     with listener_module._listeners_lock:
-        found = listener_module._listeners.pop((db.dsn, db.schema), None)
+        found = listener_module._listeners.pop((db.dsn, db.schema), (None, 0))[0]
     if found is None:
         return
     found._stop.set()
@@ -236,7 +236,7 @@ def test_cancel_jobs_wakes_waiters_with_ids_and_with_star_past_the_payload_limit
 def test_a_waiter_returns_when_a_bulk_cancel_ends_its_job(queue: Queue, db: Database,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     job_id = queue.enqueue("acme", "reports.render", {}, delay=3600, actor="u9")
-    listener = queue.listener()
+    listener = queue._listener()
     blocked, woken = threading.Event(), []
     real_wait = listener.wait
 

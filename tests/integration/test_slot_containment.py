@@ -20,8 +20,8 @@ from psycopg.conninfo import make_conninfo
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
-from tenantq.dispatch.outcome import Backoff
-from tenantq.dispatch.settle import BatchRun, is_transient
+from tenantq.dispatch.outcome import Backoff, is_transient
+from tenantq.dispatch.settle import BatchRun
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.sandbox.inline import InlineExecutor

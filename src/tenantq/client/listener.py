@@ -32,7 +32,7 @@ FALLBACK_POLL_SECONDS = 1.0
 # how long a first subscriber waits for LISTEN before polling instead
 LISTEN_READY_SECONDS = 5.0
 # how often the thread looks up from the socket (to notice close())
-IDLE_SECONDS = 1.0
+IDLE_SECONDS = 0.2
 RECONNECT_SECONDS = (0.2, 5.0)
 APPLICATION_NAME = "tenantq-waits"
 
@@ -167,15 +167,54 @@ class CompletionListener:
                 backoff = min(backoff * 2, RECONNECT_SECONDS[1])
 
 
-_listeners: dict[tuple[str, str], CompletionListener] = {}
+    def close(self) -> None:
+        """Stop the thread and its connection (within IDLE_SECONDS); whoever
+        still waits re-reads its job and polls."""
+        self._stop.set()
+        self._wake("*")
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(IDLE_SECONDS + 5)
+
+
+# (dsn, schema) -> the listener and how many open queues use it
+_listeners: dict[tuple[str, str], tuple[CompletionListener, int]] = {}
 _listeners_lock = threading.Lock()
 
 
 def listener_for(db: Database) -> CompletionListener:
-    """The process's listener for this database and schema."""
+    """The process's listener for this database and schema (made if need
+    be), without taking a reference: queues use `acquire`."""
     key = (db.dsn, db.schema)
     with _listeners_lock:
-        found = _listeners.get(key)
+        found, users = _listeners.get(key, (None, 0))
         if found is None:
-            found = _listeners[key] = CompletionListener(db)
+            found = CompletionListener(db)
+            _listeners[key] = (found, users)
         return found
+
+
+def acquire(db: Database) -> CompletionListener:
+    """The process's listener for this database and schema, for one more
+    queue; `release` it when that queue closes."""
+    key = (db.dsn, db.schema)
+    with _listeners_lock:
+        found, users = _listeners.get(key, (None, 0))
+        if found is None:
+            found = CompletionListener(db)
+        _listeners[key] = (found, users + 1)
+        return found
+
+
+def release(db: Database) -> None:
+    """One queue less: the last one stops the listener."""
+    key = (db.dsn, db.schema)
+    with _listeners_lock:
+        found, users = _listeners.get(key, (None, 0))
+        if found is None:
+            return
+        if users > 1:
+            _listeners[key] = (found, users - 1)
+            return
+        del _listeners[key]
+    found.close()

@@ -27,8 +27,8 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import psycopg
 
-from tenantq.client import connections
-from tenantq.client.listener import CompletionListener, Waiter, listener_for
+from tenantq.client import connections, listener
+from tenantq.client.listener import CompletionListener, Waiter
 from tenantq.errors import TenantqError
 from tenantq.store.db import Database
 from tenantq.store.steps import Query, Steps, async_execute, execute
@@ -61,7 +61,12 @@ class operation(Generic[P, T]):  # lower case: a decorator, like property
         self.name = steps.__name__
         functools.update_wrapper(self, steps)  # type: ignore[arg-type]
         signature = inspect.signature(steps)
-        self.signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+        # `-> Steps[int]` is the generator's; the method returns (or, async, awaits to) an int
+        returns = signature.return_annotation
+        if isinstance(returns, str) and returns.startswith("Steps[") and returns.endswith("]"):
+            returns = returns[len("Steps["):-1]
+        self.signature = signature.replace(parameters=list(signature.parameters.values())[1:],
+                                           return_annotation=returns)
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> operation[P, T]: ...
@@ -100,9 +105,19 @@ def _missing_tables(db: Database, exc: psycopg.errors.UndefinedTable, *, caller:
 
 class _Runner:
     db: Database
+    _waits: CompletionListener | None = None
 
-    def listener(self) -> CompletionListener:
-        return listener_for(self.db)
+    def _listener(self) -> CompletionListener:
+        """The process's completion listener, taken on this queue's first
+        wait and released by its close()."""
+        if self._waits is None:
+            self._waits = listener.acquire(self.db)
+        return self._waits
+
+    def _release_listener(self) -> None:
+        if self._waits is not None:
+            self._waits = None
+            listener.release(self.db)
 
 
 class SyncRunner(_Runner):
@@ -120,7 +135,7 @@ class SyncRunner(_Runner):
             raise _missing_tables(self.db, exc, caller=caller is not None) from None
 
     def _steps(self, op: operation[Any, Any], steps: Steps[Any], source: Callable[[], Any]) -> Any:
-        listener, waiters = self.listener(), []
+        waiters: list[Waiter] = []
         held: Any = None
         conn: psycopg.Connection[Any] | None = None
         transaction: Any = None
@@ -146,10 +161,10 @@ class SyncRunner(_Runner):
                     held.__exit__(None, None, None)
                     held = conn = None
                 if isinstance(step, Subscribe):
-                    waiters.append(listener.subscribe(step.job_id))
+                    waiters.append(self._listener().subscribe(step.job_id))
                     step = steps.send(waiters[-1])
                 elif isinstance(step, Wait):
-                    step = steps.send(listener.wait(step.waiter, step.timeout))
+                    step = steps.send(self._listener().wait(step.waiter, step.timeout))
                 else:
                     raise TypeError(f"{op.name}: unknown step {step!r}")
         except StopIteration as done:
@@ -166,7 +181,7 @@ class SyncRunner(_Runner):
             if held is not None:
                 held.__exit__(None, None, None)
             for waiter in waiters:
-                listener.unsubscribe(waiter)
+                self._listener().unsubscribe(waiter)
 
 
 class AsyncRunner(_Runner):
@@ -186,7 +201,7 @@ class AsyncRunner(_Runner):
 
     async def _steps(self, op: operation[Any, Any], steps: Steps[Any],
                      caller: psycopg.AsyncConnection[Any] | None) -> Any:
-        listener, waiters = self.listener(), []
+        waiters: list[Waiter] = []
         held: Any = None
         conn: psycopg.AsyncConnection[Any] | None = caller
         transaction: Any = None
@@ -214,10 +229,10 @@ class AsyncRunner(_Runner):
                     conn = caller
                 if isinstance(step, Subscribe):
                     # LISTEN is set up by a thread: do not block the loop on it
-                    waiters.append(await asyncio.to_thread(listener.subscribe, step.job_id))
+                    waiters.append(await asyncio.to_thread(self._listener().subscribe, step.job_id))
                     step = steps.send(waiters[-1])
                 elif isinstance(step, Wait):
-                    step = steps.send(await listener.async_wait(step.waiter, step.timeout))
+                    step = steps.send(await self._listener().async_wait(step.waiter, step.timeout))
                 else:
                     raise TypeError(f"{op.name}: unknown step {step!r}")
         except StopIteration as done:
@@ -234,7 +249,7 @@ class AsyncRunner(_Runner):
             if held is not None:
                 await held.__aexit__(None, None, None)
             for waiter in waiters:
-                listener.unsubscribe(waiter)
+                self._listener().unsubscribe(waiter)
 
 
 @contextmanager

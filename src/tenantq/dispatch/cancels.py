@@ -38,16 +38,18 @@ class CancelBook:
         if batch_id not in set(self._live_batches()):
             return False
         with self._lock:
-            if job_id in self._requested:
-                return False
+            new = job_id not in self._requested
             self._requested.add(job_id)
-        log.info("batch %d: stopping job %d (cancel requested)", batch_id, job_id)
+        if new:
+            log.info("batch %d: stopping job %d (cancel requested)", batch_id, job_id)
+        # told again on a repeat (the maintenance tick re-reads requests
+        # while the job runs): stopping a job twice is harmless
         if self._stop_job is not None:
             try:
                 self._stop_job(job_id)
             except Exception:  # the job still ends cancelled when it ends
                 log.exception("batch %d: the executor could not stop job %d", batch_id, job_id)
-        return True
+        return new
 
     def requested(self, job_id: int) -> bool:
         with self._lock:
@@ -64,3 +66,11 @@ def parse_notification(payload: str) -> tuple[int, int] | None:
     if len(parts) == 3 and parts[0] == "cancel" and parts[1].isdigit() and parts[2].isdigit():
         return int(parts[1]), int(parts[2])
     return None
+
+
+def ended_note(ok: bool, error: object) -> str:
+    """How a cancelled job's run ended, for its attempt's record."""
+    if ok:
+        return "it had finished (its result is dropped)"
+    first = str(error or "stopped").strip().splitlines()
+    return first[0][:200] if first else "stopped"

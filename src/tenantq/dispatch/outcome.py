@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from tenantq.store.model import ClaimedJob, Settlement
 
 MAX_RESULT_BYTES = 1024 * 1024
@@ -97,3 +99,26 @@ def last_resort(job: ClaimedJob, settlement: Settlement, problem: object, backof
     if settlement.status == "dead":
         return Settlement(job_id=settlement.job_id, status="dead", error=error)
     return failed(job, error, backoff=backoff)
+
+
+# SQLSTATE classes worth retrying: 08 connection exception, 40 transaction
+# rollback (serialization failure, deadlock), 53 insufficient resources (too
+# many connections, disk full), 57 operator intervention (admin or crash
+# shutdown, cannot connect now, query cancelled), 58 system error (I/O).
+# Not 54 (program limit exceeded, e.g. a jsonb nested too deeply), which
+# psycopg also files under OperationalError: that is the data's fault.
+_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Would the same statement succeed later? Only for connection-level
+    errors; a statement Postgres refused would be refused again."""
+    if isinstance(exc, psycopg.errors.PipelineAborted):
+        return False  # a previous statement of the pipeline failed: that error decides
+    if isinstance(exc, psycopg.InterfaceError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        # no SQLSTATE: raised by the client (connection lost, pool timeout)
+        return state is None or state[:2] in _TRANSIENT_CLASSES or state == "55P03"
+    return False

@@ -26,15 +26,15 @@ fails, the error decides what happens (`is_transient`):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-
-from tenantq.dispatch.outcome import failed, first_line, last_resort, succeeded, unstorable
+from tenantq.dispatch.cancels import ended_note
+from tenantq.dispatch.outcome import failed, first_line, is_transient, last_resort, succeeded, unstorable
 from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
 from tenantq.observe import metrics
@@ -49,29 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tenantq.worker")
 OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead", "cancelled": "cancelled"}
-
-# SQLSTATE classes worth retrying: 08 connection exception, 40 transaction
-# rollback (serialization failure, deadlock), 53 insufficient resources (too
-# many connections, disk full), 57 operator intervention (admin or crash
-# shutdown, cannot connect now, query cancelled), 58 system error (I/O).
-# Not 54 (program limit exceeded, e.g. a jsonb nested too deeply), which
-# psycopg also files under OperationalError: that is the data's fault.
-_TRANSIENT_CLASSES = frozenset({"08", "40", "53", "57", "58"})
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Would the same statement succeed later? Only for connection-level
-    errors; a statement Postgres refused would be refused again."""
-    if isinstance(exc, psycopg.errors.PipelineAborted):
-        return False  # a previous statement of the pipeline failed: that error decides
-    if isinstance(exc, psycopg.InterfaceError):
-        return True
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate
-        # no SQLSTATE: raised by the client (connection lost, pool timeout)
-        return state is None or state[:2] in _TRANSIENT_CLASSES or state == "55P03"
-    return False
-
 
 class _GaveUp(Exception):
     """Transient errors outlasted the lease: the reaper owns the jobs now."""
@@ -92,6 +69,12 @@ class BatchRun:
         self.pending: list[Settlement] = []
         self.began = time.monotonic()
         self.last_flush = self.began
+        # settlements not written at once (writes are batched, at most one
+        # per flush_seconds) are written by a timer: a job that ended is
+        # never left running until its next sibling ends. Executor threads,
+        # the timer and the slot take this lock.
+        self._lock = threading.RLock()
+        self._flush_timer: threading.Timer | None = None
         self.lost = False
         self.finished = False
         # a job could not be written at all: the batch is not ended, so its
@@ -125,6 +108,10 @@ class BatchRun:
             self._write(end_outcome=None)
 
     def report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
+        with self._lock:
+            self._report(event)
+
+    def _report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
         if self.finished:
             return  # a late event from an executor's thread: the batch is settled
         if isinstance(event, EgressUsed):
@@ -152,14 +139,30 @@ class BatchRun:
             # the host's own record of the request decides, whatever the
             # executor reported (rule H2); the attempt ends `cancelled`
             self.pending.append(Settlement(job_id, "cancelled",
-                                           error=f"cancelled while running: {_ended(event)}"))
+                                           error="cancelled while running: "
+                                                 + ended_note(event.ok, event.error)))
         elif event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
         else:
             self.pending.append(failed(job, str(event.error or "failed"), backoff=backoff,
                                        retryable=event.retryable is not False))
-        if time.monotonic() - self.last_flush >= self.worker.config.flush_seconds:
+        since = time.monotonic() - self.last_flush
+        if since >= self.worker.config.flush_seconds or self.worker.cancels.requested(job_id):
             self._write(end_outcome=None)
+        elif self._flush_timer is None:
+            wait = self.worker.config.flush_seconds - since
+            self._flush_timer = threading.Timer(wait, self._flush_deferred)
+            self._flush_timer.daemon = True
+            self._flush_timer.start()
+
+    def _flush_deferred(self) -> None:
+        with self._lock:
+            self._flush_timer = None
+            if self.pending and not self.finished and not self.lost:
+                try:
+                    self._write(end_outcome=None)
+                except Exception:  # the batch's own end writes them, or the reaper
+                    log.exception("batch %d: a deferred settle failed", self.batch.batch_id)
 
     def _seconds(self, job_id: int, reported: object) -> float:
         """A job's run time: what the executor reported if it is a finite
@@ -191,6 +194,13 @@ class BatchRun:
                 return
 
     def finish(self, outcome: str) -> None:
+        with self._lock:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+                self._flush_timer = None
+            self._finish(outcome)
+
+    def _finish(self, outcome: str) -> None:
         unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
         # a job cancelled before its turn came ends cancelled, not back in the queue
         for job_id in [j for j in unstarted if self.worker.cancels.requested(j)]:
@@ -211,6 +221,13 @@ class BatchRun:
         the jobs that started and are not settled, release the others, end
         the lease; one try, no retry (if it fails, the lease expires and the
         reaper puts the jobs back)."""
+        with self._lock:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
+                self._flush_timer = None
+            self._abandon(reason)
+
+    def _abandon(self, reason: str) -> None:
         self.finished = True
         if self.lost:
             return
@@ -280,7 +297,12 @@ class BatchRun:
     def _write(self, *, end_outcome: str | None, release: Sequence[int] = ()) -> None:
         if self.lost:
             return
-        settlements, self.pending = self.pending, []
+        # a cancel that came after the job's end was reported still wins
+        # (the host's record, rule H2): no retry, no result
+        settlements = [s if s.status == "cancelled" or not self.worker.cancels.requested(s.job_id)
+                       else Settlement(s.job_id, "cancelled", error="cancelled while running: it had ended")
+                       for s in self.pending]
+        self.pending = []
         self.last_flush = time.monotonic()
         try:
             applied = self._retrying(partial(self._store, settlements, self._end(end_outcome, release)))
@@ -380,10 +402,3 @@ class BatchRun:
                             extra={"job_id": job.id, "tenant": job.tenant_id, "kind": job.kind,
                                    "actor": job.actor, "meta": job.meta})
 
-
-def _ended(event: JobEnded) -> str:
-    """How a cancelled job's run ended, for its attempt's record."""
-    if event.ok:
-        return "it had finished (its result is dropped)"
-    first = str(event.error or "stopped").strip().splitlines()
-    return first[0][:200] if first else "stopped"

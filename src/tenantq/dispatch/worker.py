@@ -44,9 +44,9 @@ import psycopg
 from tenantq.dispatch.cancels import CancelBook
 from tenantq.dispatch.config import WorkerConfig, WorkerStats, default_worker_id
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance, driver_reaper, sync_app_schedules
-from tenantq.dispatch.outcome import first_line
+from tenantq.dispatch.outcome import first_line, is_transient
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
-from tenantq.dispatch.settle import BatchRun, is_transient
+from tenantq.dispatch.settle import BatchRun
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.errors import TenantqError
 from tenantq.fairness import ClaimRequest, PickNotes, claim_next

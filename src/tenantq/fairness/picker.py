@@ -95,6 +95,8 @@ def claim_next(
             )
             for r in rows
         ]
+        pending_kinds = {str(r["tenant_id"]): None if r["kinds"] is None else [str(k) for k in r["kinds"]]  # type: ignore[attr-defined]
+                         for r in rows}
         rate_limited = {str(r["tenant_id"]) for r in rows
                         if r["rate_tokens"] is not None or r["kind_limited"]}
         for r in rows:
@@ -117,7 +119,8 @@ def claim_next(
             limits = None
             if visit.tenant_id in rate_limited:
                 # under the buckets' row locks until commit (rates.py)
-                limits = rates.for_claim(conn, visit.tenant_id, kinds, now=now)
+                limits = rates.for_claim(conn, visit.tenant_id, kinds, now=now,
+                                         pending_kinds=pending_kinds.get(visit.tenant_id))
                 if limits.refill_in is not None:
                     notes.token_in(limits.refill_in)
                 if limits.tenant is not None and limits.tenant < 1:

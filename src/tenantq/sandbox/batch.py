@@ -119,6 +119,7 @@ class SandboxExecutor:
         finally:
             with self._sessions_lock:
                 self._early_cancels.difference_update(j.id for j in batch.jobs)
+            self.inline.forget(j.id for j in batch.jobs)
 
     def cancel(self, job_id: int) -> None:
         """Stop a job of a running batch (dispatch/cancels.py): through its

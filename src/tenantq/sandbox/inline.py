@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from tenantq.registry import Cancellation, JobContext, Registry
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
@@ -42,6 +42,11 @@ class InlineExecutor:
         if flag is not None:
             flag.set()
 
+    def forget(self, job_ids: Iterable[int]) -> None:
+        """Drop cancel requests for jobs that will not run here."""
+        with self._cancel_lock:
+            self._cancelled.difference_update(job_ids)
+
     def kinds(self) -> list[str]:
         """The kinds this executor can run (the worker claims only these):
         every registered kind except those that run only in a sandbox (the
@@ -74,6 +79,13 @@ class InlineExecutor:
         report: Report,
         should_stop: Callable[[], bool],
     ) -> None:
+        try:
+            self._run_jobs(batch, env=env, report=report, should_stop=should_stop)
+        finally:
+            self.forget(j.id for j in batch.jobs)  # requests for this batch's jobs are spent
+
+    def _run_jobs(self, batch: Batch, *, env: Mapping[str, str], report: Report,
+                  should_stop: Callable[[], bool]) -> None:
         self._warm_up(sorted({j.kind for j in batch.jobs}))
         for job in batch.jobs:
             if should_stop():

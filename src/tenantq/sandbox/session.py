@@ -124,13 +124,6 @@ class BatchSession:
             for seq, job in enumerate(batch.jobs):
                 if should_stop():
                     break
-                with self._cancel_lock:
-                    skipped = job.id in self._skip
-                if skipped:
-                    self.report(JobStarted(job.id))
-                    self.report(JobEnded(job.id, ok=False, error="cancelled before it started"))
-                    job = None
-                    continue
                 self._run_job(seq, job, deadline, out)
                 job = None
             self.channel.send({"op": "end"}, deadline)
@@ -162,14 +155,20 @@ class BatchSession:
 
     def _run_job(self, seq: int, job: ClaimedJob, deadline: float, out: SessionEnd) -> None:
         self.report(JobStarted(job.id))
-        with self._cancel_lock:
-            self.current, self._seq = job.id, seq
-        out.handed_out += 1
         self._t0 = time.monotonic()
         job_deadline = min(deadline, self._t0 + self._timeout(job) + HOST_TIMEOUT_GRACE_SECONDS)
-        self.channel.send({"op": "job", "seq": seq, "job": {
-            "id": job.id, "kind": job.kind, "payload": job.payload, "attempt": job.attempt,
-            "max_attempts": job.max_attempts, "actor": job.actor, "meta": job.meta}}, job_deadline)
+        # Handed out under the cancel lock: a cancel() before this sees the
+        # job not in flight and skips it; one after sends its frame after
+        # the job's, never before it (the supervisor drops a cancel between jobs).
+        with self._cancel_lock:
+            if job.id in self._skip:
+                self.report(JobEnded(job.id, ok=False, error="cancelled before it started"))
+                return
+            self.current, self._seq = job.id, seq
+            out.handed_out += 1
+            self.channel.send({"op": "job", "seq": seq, "job": {
+                "id": job.id, "kind": job.kind, "payload": job.payload, "attempt": job.attempt,
+                "max_attempts": job.max_attempts, "actor": job.actor, "meta": job.meta}}, job_deadline)
         record = self.channel.receive(job_deadline)
         if record.get("status") == "batch_end":
             # the supervisor died mid-job (the warm parent says how): the

@@ -4,7 +4,7 @@ included, without importing the database driver."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from tenantq.errors import InvalidInput
@@ -45,9 +45,19 @@ def next_fire(cron: str, zone: str, after: datetime) -> datetime:
 
 
 def latest_fire(cron: str, zone: str, at: datetime) -> datetime:
-    """The last fire time before `at`, in UTC (callers take the later of
-    it and the stored next fire, which covers `at` being a fire time)."""
+    """The last fire time at or before `at`, in UTC."""
     from croniter import croniter
 
-    fire: datetime = croniter(cron, at.astimezone(ZoneInfo(zone))).get_prev(datetime)
+    local = at.astimezone(ZoneInfo(zone))
+    upcoming: datetime = croniter(cron, local - timedelta(microseconds=1)).get_next(datetime)
+    if upcoming <= local:  # `at` is a fire time itself
+        return upcoming.astimezone(UTC)
+    fire: datetime = croniter(cron, local).get_prev(datetime)
     return fire.astimezone(UTC)
+
+
+def wall_clock(fire: datetime, zone: str) -> str:
+    """A fire time as the schedule's local wall-clock time (no offset): the
+    key of its job, so a local time that happens twice (the night clocks go
+    back) fires once, as in cron."""
+    return fire.astimezone(ZoneInfo(zone)).replace(tzinfo=None).isoformat()

@@ -93,7 +93,8 @@ class Database:
 
     @property
     def notify_channel(self) -> str:
-        return f"tenantq_{self.schema}"
+        """The workers' wake-up channel (a channel name is at most 63 bytes)."""
+        return f"tenantq_{self.schema}"[:63]
 
     @property
     def done_channel(self) -> str:

@@ -75,7 +75,12 @@ class Limits:
         return sorted(k for k, n in self.kinds.items() if n < 1)
 
 
-def for_claim(conn: Conn, tenant_id: str, kinds: list[str] | None, *, now: datetime | None = None) -> Limits:
+def for_claim(conn: Conn, tenant_id: str, kinds: list[str] | None, *, now: datetime | None = None,
+              pending_kinds: list[str] | None = None) -> Limits:
+    """The buckets of a batch of this tenant (of `kinds`: the worker's,
+    None for any), locked. `pending_kinds`: what the tenant's queue holds
+    (its kinds hint; None: unknown), so that it takes the turn of a shared
+    kind only if it has jobs of that kind."""
     rows = conn.execute(sql("rate_limits", "for_claim"),
                         {"tenant_id": tenant_id, "kinds": kinds, "now": now}).fetchall()
     tenant: int | None = None
@@ -96,7 +101,7 @@ def for_claim(conn: Conn, tenant_id: str, kinds: list[str] | None, *, now: datet
             # for its next token (`wait_turn`), so others cannot race it
             if row["others_turn"]:
                 whole = 0
-            elif whole < 1:
+            elif whole < 1 and (pending_kinds is None or kind in pending_kinds):
                 waiting.append(kind)
         per_kind[kind] = min(per_kind.get(kind, whole), whole)
     if waiting:

@@ -21,7 +21,7 @@ from typing import Any
 
 from tenantq.errors import InvalidInput
 from tenantq.store import validation
-from tenantq.store.cron import cron_expression, latest_fire, next_fire, time_zone
+from tenantq.store.cron import cron_expression, latest_fire, next_fire, time_zone, wall_clock
 from tenantq.store.jobs import insert_steps
 from tenantq.store.model import NewJob
 from tenantq.store.queries import sql
@@ -85,9 +85,10 @@ def remove_steps(schedule_id: int) -> Steps[bool]:
 
 def set_paused_steps(schedule_id: int, paused: bool, *, now: datetime | None = None) -> Steps[bool]:
     """Pause or resume; a resumed schedule fires next at its next time from now."""
-    if not (yield Query(sql("schedules", "set_paused"), {"schedule_id": schedule_id, "paused": paused})):
+    rows = yield Query(sql("schedules", "set_paused"), {"schedule_id": schedule_id, "paused": paused})
+    if not rows:
         return False
-    if not paused:
+    if not paused and rows[0]["was_paused"]:
         for row in (yield from list_steps()):
             if row["schedule_id"] == schedule_id:
                 upcoming = next_fire(str(row["cron"]), str(row["timezone"]), now or datetime.now(UTC))
@@ -126,7 +127,7 @@ def fire_due_steps(*, schema: str, channel: str, now: datetime | None = None,
         fire = max(latest_fire(cron, zone, at), row["next_fire_at"])
         jobs.append(validation.new_job(
             row["tenant_id"], row["kind"], row["payload"], priority_=row["priority"],
-            max_attempts_=row["max_attempts"], key=f"schedule:{schedule_id}:{fire.isoformat()}",
+            max_attempts_=row["max_attempts"], key=f"schedule:{schedule_id}:{wall_clock(fire, zone)}",
             meta={"schedule_id": schedule_id, "fire_time": fire.isoformat()}))
         fired.append((schedule_id, fire, next_fire(cron, zone, at)))
     ids = yield from insert_steps(jobs, schema=schema, channel=channel)

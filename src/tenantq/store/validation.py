@@ -8,6 +8,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from tenantq.errors import InvalidInput
@@ -104,7 +105,7 @@ def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from None
-    size = len(_utf8(text, what))
+    size = len(_utf8(text, what)) + _exponent_growth(text)
     # json.dumps writes a NUL (in any value or key) as the escape \\u0000,
     # which jsonb cannot store
     if "\\u0000" in text and _NUL_ESCAPE.search(text):
@@ -112,6 +113,29 @@ def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
     if size > max_bytes:
         raise InvalidInput(f"{what} is {size} bytes of JSON; the limit is {max_bytes}")
     return text
+
+
+_EXPONENT_NUMBER = re.compile(r"-?\d+(?:\.\d+)?[eE][+-]?\d+")
+
+
+def _exponent_growth(text: str) -> int:
+    """How much longer Postgres renders the numbers written with an exponent
+    (1e+300 becomes 1 and 300 zeros: jsonb keeps numerics and prints them
+    in full), so the size checked here is the size its CHECK will see and
+    an enqueue never fails on it inside a caller's transaction."""
+    if "e" not in text and "E" not in text:
+        return 0
+    growth = 0
+    for number in _EXPONENT_NUMBER.finditer(_STRING_LITERAL.sub('""', text)):
+        token = number.group()
+        try:
+            value = Decimal(token)
+        except InvalidOperation:
+            continue
+        if abs(value.adjusted()) > MAX_PAYLOAD_BYTES:  # never from a float; too long to render anyway
+            return MAX_PAYLOAD_BYTES + 1
+        growth += len(format(value, "f")) - len(token)
+    return max(0, growth)
 
 
 def _too_deep(depth: int) -> InvalidInput:

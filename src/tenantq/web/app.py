@@ -5,9 +5,11 @@
 
 Routes: GET / (overview, auto-refreshing), GET /jobs (finding jobs: filters,
 pages newest first; /jobs?id=N opens job N), GET /jobs/{id}, POST /jobs/cancel
-and POST /jobs/retry-dead (bulk actions on a filtered set), POST /dead/{id}/retry,
-POST /dead/retry-all, GET|POST /login and POST /logout (with a token),
-GET /healthz (always open), GET /metrics (when a metrics app is given).
+and POST /jobs/retry-dead (bulk actions on a filtered set), POST
+/jobs/{id}/cancel (one pending or running job), POST /tenants/pause and
+/tenants/resume, POST /dead/{id}/retry, POST /dead/retry-all, GET|POST /login
+and POST /logout (with a token), GET /healthz (always open), GET /metrics
+(when a metrics app is given).
 
 Queue is synchronous (psycopg), so every database call runs in the thread
 pool; the event loop only renders and routes.
@@ -21,8 +23,10 @@ import logging
 import signal
 import socket
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from zoneinfo import ZoneInfo
 
 import uvicorn
 from starlette.applications import Starlette
@@ -59,7 +63,10 @@ DEAD_LIMIT = 100
 MAX_FORM_BYTES = 64 * 1024
 MAX_ID = 2**63 - 1
 # query parameters that only carry a notice about the last action
-NOTICES = ("replayed", "not_dead", "cancelled")
+NOTICES = ("replayed", "not_dead", "cancelled", "paused", "resumed", "job_cancel")
+# who `cancel(..., by=)` records for a cancel from the dashboard
+CANCELLED_BY = "dashboard"
+JOB_CANCEL_NOTICES = ("cancelled", "stopping", "ended")
 
 
 def parse_id(raw: str) -> int:
@@ -70,7 +77,7 @@ def parse_id(raw: str) -> int:
     return int(raw)
 
 
-def _with_query(path: str, **params: int) -> str:
+def _with_query(path: str, **params: int | str) -> str:
     """`path` with the notice parameters replaced by `params`."""
     parts = urlsplit(path)
     query = [(k, v) for k, v in parse_qsl(parts.query) if k not in NOTICES]
@@ -81,6 +88,27 @@ def _with_query(path: str, **params: int) -> str:
 def _int_param(request: Request, name: str) -> int | None:
     raw = request.query_params.get(name, "")
     return int(raw) if raw.isdigit() and len(raw) < 20 else None
+
+
+def local_time(value: datetime | None, zone: str) -> str:
+    """A fire time in its schedule's time zone: '2026-12-02 09:00 CET'."""
+    if value is None:
+        return "—"
+    try:
+        return value.astimezone(ZoneInfo(zone)).strftime("%Y-%m-%d %H:%M %Z")
+    except (ValueError, KeyError, OSError):
+        return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _tenant_param(request: Request, name: str) -> str | None:
+    """A tenant id carried by a notice parameter, if it is one."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return validation.tenant_id(raw)
+    except InvalidInput:
+        return None
 
 
 def _filter_kwargs(filters: search.JobFilter) -> dict[str, Any]:
@@ -107,7 +135,9 @@ class Dashboard:
     def __init__(self, queue: Queue, keys: Keys) -> None:
         self.queue = queue
         self.keys = keys
-        self.templates = Jinja2Templates(env=environment())
+        env = environment()
+        env.filters["local_time"] = local_time
+        self.templates = Jinja2Templates(env=env)
 
     # -- helpers ---------------------------------------------------------
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -173,6 +203,8 @@ class Dashboard:
             "refresh_url": refresh_url,
             "replayed": _int_param(request, "replayed"),
             "not_dead": _int_param(request, "not_dead"),
+            "paused_notice": _tenant_param(request, "paused"),
+            "resumed_notice": _tenant_param(request, "resumed"),
         })
 
     def _overview_data(self, tenant: str | None) -> dict[str, Any]:
@@ -195,16 +227,25 @@ class Dashboard:
             "failures": self.rows("recent_failures", params),
             "dead": self.queue.dead_jobs(tenant, limit=DEAD_LIMIT),
             "dead_total": int(dead_total),
+            "schedules": self.queue.schedules(tenant),
         }
 
     async def job(self, request: Request) -> Response:
         job_id = parse_id(request.path_params["job_id"])
-        info = await self.db(self.queue.job, job_id)
+        info, tenant = await self.db(self._job_data, job_id)
+        notice = request.query_params.get("job_cancel")
         return self.render(request, "job.html", {
             "job": info,
+            "tenant_paused_at": None if tenant is None else tenant.get("paused_at"),
             "replayed": _int_param(request, "replayed"),
             "not_dead": _int_param(request, "not_dead"),
+            "job_cancel": notice if notice in JOB_CANCEL_NOTICES else None,
         })
+
+    def _job_data(self, job_id: int) -> tuple[Any, dict[str, Any] | None]:
+        info = self.queue.job(job_id)
+        tenants = self.queue.tenants(info.tenant_id)
+        return info, (tenants[0] if tenants else None)
 
     async def find_job(self, request: Request) -> Response:
         """The header's "job id" box: GET /jobs?id=N -> /jobs/N."""
@@ -295,6 +336,36 @@ class Dashboard:
         back = safe_next(self.field(form, "next"), default="/jobs")
         return RedirectResponse(_with_query(back, replayed=replayed), status_code=303)
 
+    async def cancel_one(self, request: Request) -> Response:
+        """POST /jobs/{id}/cancel: a pending job ends cancelled now; a
+        running one is asked to stop (its worker stops it)."""
+        form = await self.checked_form(request)
+        job_id = parse_id(request.path_params["job_id"])
+        back = safe_next(self.field(form, "next"), default=f"/jobs/{job_id}")
+        outcome = await self.db(self._cancel, job_id)
+        return RedirectResponse(_with_query(back, job_cancel=outcome), status_code=303)
+
+    def _cancel(self, job_id: int) -> str:
+        if not self.queue.cancel(job_id, by=CANCELLED_BY):  # JobNotFound -> 404
+            return "ended"
+        return "cancelled" if self.queue.job(job_id).status == "cancelled" else "stopping"
+
+    async def pause_tenant(self, request: Request) -> Response:
+        return await self._set_paused(request, paused=True)
+
+    async def resume_tenant(self, request: Request) -> Response:
+        return await self._set_paused(request, paused=False)
+
+    async def _set_paused(self, request: Request, *, paused: bool) -> Response:
+        """POST /tenants/pause|resume (form field `tenant`)."""
+        form = await self.checked_form(request)
+        tenant = validation.tenant_id(self.field(form, "tenant"))
+        await self.db(self.queue.pause_tenant, tenant, paused=paused)
+        back = safe_next(self.field(form, "next"))
+        if paused:
+            return RedirectResponse(_with_query(back, paused=tenant), status_code=303)
+        return RedirectResponse(_with_query(back, resumed=tenant), status_code=303)
+
     async def retry_one(self, request: Request) -> Response:
         form = await self.checked_form(request)
         job_id = parse_id(request.path_params["job_id"])
@@ -379,6 +450,9 @@ def create_app(queue: Queue, *, token: str | None = None, metrics_app: ASGIApp |
         Route("/jobs/cancel", dash.bulk_cancel, methods=["POST"]),
         Route("/jobs/retry-dead", dash.bulk_retry_dead, methods=["POST"]),
         Route("/jobs/{job_id}", dash.job),
+        Route("/jobs/{job_id}/cancel", dash.cancel_one, methods=["POST"]),
+        Route("/tenants/pause", dash.pause_tenant, methods=["POST"]),
+        Route("/tenants/resume", dash.resume_tenant, methods=["POST"]),
         Route("/dead/retry-all", dash.retry_all, methods=["POST"]),
         Route("/dead/{job_id}/retry", dash.retry_one, methods=["POST"]),
         Route("/login", dash.login_page, methods=["GET"]),

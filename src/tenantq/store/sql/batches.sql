@@ -56,11 +56,15 @@ WITH clock AS (
     RETURNING b.batch_id, b.worker_id, b.sandbox_driver, b.created_at
 ), reaped AS (
     UPDATE jobs j
-    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
+    -- a job asked to stop (`tenantq cancel` while it ran) ends cancelled:
+    -- its worker died before it could, and it must not run again
+    SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                      WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'pending' END,
         batch_id = NULL,
         run_after = clock.now,
         last_error = 'lease expired: worker ' || e.worker_id || ' stopped heartbeating mid-batch',
-        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN clock.now END
+        finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts
+                           THEN clock.now END
     FROM expired e, clock
     WHERE j.batch_id = e.batch_id AND j.status = 'running'
     RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.last_error,
@@ -75,7 +79,7 @@ WITH clock AS (
     -- jobs out of attempts died: wake their waiters at commit (see jobs.sql `settle`)
     SELECT pg_notify(left('tenantq_done_' || current_schema(), 63),
                      CASE WHEN length(ids) <= 7900 THEN ids ELSE '*' END)
-    FROM (SELECT string_agg(id::text, ',') AS ids FROM reaped WHERE status = 'dead') AS d
+    FROM (SELECT string_agg(id::text, ',') AS ids FROM reaped WHERE status IN ('dead', 'cancelled')) AS d
     WHERE ids IS NOT NULL
 )
 SELECT id, tenant_id, priority, status, run_after, kind, attempts, last_error

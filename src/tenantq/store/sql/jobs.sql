@@ -188,13 +188,21 @@ WITH clock AS (
                 %(delays)s::double precision[]) AS o(id, status, result, error, delay)
 ), settled AS (
     UPDATE jobs j
-    SET status = o.status,
-        result = CASE WHEN o.status = 'done' THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
-        last_error = CASE WHEN o.status = 'done' THEN NULL ELSE coalesce(o.error, j.last_error) END,
+    -- A job asked to stop while it ran (cancel_requested_at: `tenantq
+    -- cancel`, read here from the row's latest version, under its lock)
+    -- ends cancelled whatever its run reported, whether or not its worker
+    -- had heard of the request: no retry, no result.
+    SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE o.status END,
+        result = CASE WHEN o.status = 'done' AND j.cancel_requested_at IS NULL
+                      THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
+        last_error = CASE WHEN j.cancel_requested_at IS NOT NULL AND o.status <> 'cancelled'
+                          THEN 'cancelled while running: ' || coalesce(o.error, 'it had finished (its result is dropped)')
+                          WHEN o.status = 'done' THEN NULL ELSE coalesce(o.error, j.last_error) END,
         batch_id = NULL,
-        run_after = CASE WHEN o.status = 'pending' THEN clock.now + make_interval(secs => o.delay)
-                         ELSE j.run_after END,
-        finished_at = CASE WHEN o.status IN ('done', 'dead', 'cancelled') THEN clock.now END
+        run_after = CASE WHEN o.status = 'pending' AND j.cancel_requested_at IS NULL
+                         THEN clock.now + make_interval(secs => o.delay) ELSE j.run_after END,
+        finished_at = CASE WHEN o.status IN ('done', 'dead', 'cancelled') OR j.cancel_requested_at IS NOT NULL
+                           THEN clock.now END
     FROM outcome o, clock
     WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
     RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.replays,
@@ -239,15 +247,23 @@ SELECT id, status FROM settled, (SELECT count(*) FROM ended) AS notified;
 -- Jobs of a batch that never started go back without losing the attempt
 -- that the claim counted, and wake their queue. The history records the
 -- release (outcome `released`, the attempt number it would have been).
+-- One asked to stop meanwhile (its worker had not heard yet) ends
+-- cancelled instead, and its waiters are woken.
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), lease AS (
     SELECT worker_id, sandbox_driver, created_at FROM batches WHERE batch_id = %(batch_id)s
 ), released AS (
     UPDATE jobs
-    SET status = 'pending', batch_id = NULL, attempts = attempts - 1, started_at = NULL
+    SET status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'pending' END,
+        finished_at = CASE WHEN cancel_requested_at IS NOT NULL THEN coalesce(%(now)s::timestamptz, now()) END,
+        batch_id = NULL, attempts = attempts - 1, started_at = NULL
     WHERE batch_id = %(batch_id)s AND status = 'running' AND id = ANY(%(ids)s::bigint[])
-    RETURNING id, tenant_id, priority, run_after, kind, attempts, replays
+    RETURNING id, tenant_id, priority, run_after, kind, attempts, replays, status
+), ended AS (
+    SELECT pg_notify(left('tenantq_done_' || current_schema(), 63),
+                     CASE WHEN length(string_agg(id::text, ',')) <= 7900 THEN string_agg(id::text, ',') ELSE '*' END)
+    FROM released WHERE status = 'cancelled' HAVING count(*) > 0
 ), recorded AS (
     INSERT INTO attempts (tenant_id, job_id, attempt, replay, started_at, finished_at, worker_id, driver,
                           outcome)
@@ -261,6 +277,7 @@ WITH clock AS (
                 ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
            coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
     FROM released, clock
+    WHERE status = 'pending'
     GROUP BY tenant_id, priority
     ON CONFLICT (tenant_id, priority) DO UPDATE
         SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
@@ -271,7 +288,7 @@ WITH clock AS (
         WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
            OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 )
-SELECT id FROM released;
+SELECT id FROM released, (SELECT count(*) FROM ended) AS notified;
 
 -- name: get
 SELECT j.*, b.worker_id AS lease_owner, b.lease_expires_at

@@ -9,7 +9,7 @@ INSERT INTO rate_limits AS r (tenant_id, kind, per_second, burst, tokens, refill
 VALUES (%(tenant_id)s, %(kind)s, %(per_second)s, %(burst)s, %(burst)s, now())
 ON CONFLICT (tenant_id, kind) DO UPDATE
 SET tokens = least(excluded.burst, r.tokens + r.per_second * greatest(0, extract(epoch FROM now() - r.refilled_at))),
-    refilled_at = now(), per_second = excluded.per_second, burst = excluded.burst
+    refilled_at = greatest(r.refilled_at, now()), per_second = excluded.per_second, burst = excluded.burst
 RETURNING tenant_id, kind, per_second, burst, tokens;
 
 -- name: clear
@@ -44,7 +44,9 @@ FOR UPDATE;
 -- rounding; it refills from there).
 UPDATE rate_limits r
 SET tokens = least(r.burst, r.tokens + r.per_second * greatest(0, extract(epoch FROM coalesce(%(now)s::timestamptz, now()) - r.refilled_at))) - t.n,
-    refilled_at = coalesce(%(now)s::timestamptz, now())
+    -- never back in time: a pick's clock is its transaction's start, which
+    -- may be older than the last refill another pick wrote
+    refilled_at = greatest(r.refilled_at, coalesce(%(now)s::timestamptz, now()))
 FROM unnest(%(tenant_ids)s::text[], %(kinds)s::text[], %(ns)s::double precision[]) AS t(tenant_id, kind, n)
 WHERE r.tenant_id = t.tenant_id AND r.kind = t.kind;
 

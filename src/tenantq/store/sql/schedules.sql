@@ -32,7 +32,11 @@ ORDER BY tenant_id, next_fire_at, schedule_id;
 DELETE FROM schedules WHERE schedule_id = %(schedule_id)s RETURNING schedule_id;
 
 -- name: set_paused
-UPDATE schedules SET paused = %(paused)s WHERE schedule_id = %(schedule_id)s RETURNING schedule_id;
+-- Returns whether it was paused before (a resume of a running schedule keeps its next fire).
+UPDATE schedules s SET paused = %(paused)s
+FROM (SELECT schedule_id, paused FROM schedules WHERE schedule_id = %(schedule_id)s FOR UPDATE) AS before
+WHERE s.schedule_id = before.schedule_id
+RETURNING s.schedule_id, before.paused AS was_paused;
 
 -- name: resume_next_fire
 -- A resumed schedule fires next at its next time from now (not for the fires it missed while paused).

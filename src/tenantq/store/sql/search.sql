@@ -15,13 +15,15 @@
 -- folds away and the planner sees only the filters that were given.
 
 -- name: filters
--- Every filter; NULL = any. `since` counts back from %(now)s (NULL: the
+-- Every filter; NULL = any. (jobs_runnable leads with (tenant_id, priority):
+-- a tenant's pending jobs of one class are read off it.) `since` counts back from %(now)s (NULL: the
 -- database clock); the bulk actions pass the clock they started at.
     (%(tenant_id)s::text IS NULL OR tenant_id = %(tenant_id)s::text)
     AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
     AND (%(status)s::text IS NULL OR status = %(status)s::text)
     AND (%(actor)s::text IS NULL OR actor = %(actor)s::text)
     AND (%(meta)s::jsonb IS NULL OR meta @> %(meta)s::jsonb)
+    AND (%(priority)s::text IS NULL OR priority = %(priority)s::text)
     AND (%(since_seconds)s::float8 IS NULL
          OR created_at >= coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(since_seconds)s::float8))
 
@@ -103,6 +105,42 @@ WITH target AS (
 SELECT (SELECT count(*) FROM target)::integer AS picked,
        (SELECT count(*) FROM cancelled)::integer AS changed,
        (SELECT count(*) FROM ended)::integer AS notified;
+
+-- name: cancel_running_chunk
+-- Ask up to %(chunk)s running jobs of the filtered set to stop (`tenantq
+-- cancel --tenant T --running`), with jobs.sql `cancel`'s protocol for a
+-- running job: cancel_requested_at and cancelled_by are set, and the worker
+-- holding its batch is notified on the workers' channel with
+-- 'cancel:<batch_id>:<job_id>' (one notification per job, sent at commit);
+-- it stops the job and settles it `cancelled` (dispatch/cancels.py). A job
+-- already asked is not asked again (its worker's maintenance tick re-reads
+-- the requests: jobs.sql `cancel_requests`), so chunks move on and the
+-- action ends. Running jobs are found through the live batches
+-- (batches_live, then jobs_by_batch): a tenant's running jobs are few, its
+-- finished ones many. SKIP LOCKED: a job being settled right now is passed
+-- over (it is ending anyway).
+WITH target AS (
+    SELECT id, batch_id FROM jobs
+    WHERE {filters}
+      AND status = 'running' AND cancel_requested_at IS NULL AND id <= %(max_id)s::bigint
+      AND batch_id IN (SELECT b.batch_id FROM batches b
+                       WHERE b.ended_at IS NULL
+                         AND (%(tenant_id)s::text IS NULL OR b.tenant_id = %(tenant_id)s::text))
+    LIMIT %(chunk)s
+    FOR UPDATE SKIP LOCKED
+), requested AS (
+    UPDATE jobs j
+    SET cancel_requested_at = coalesce(%(at)s::timestamptz, now()),
+        cancelled_by = coalesce(j.cancelled_by, %(by)s::text)
+    FROM target t
+    WHERE j.id = t.id AND j.status = 'running' AND j.cancel_requested_at IS NULL
+    RETURNING j.id, j.batch_id
+), asked AS (
+    SELECT pg_notify(%(channel)s, 'cancel:' || batch_id || ':' || id) FROM requested
+)
+SELECT (SELECT count(*) FROM target)::integer AS picked,
+       (SELECT count(*) FROM requested)::integer AS changed,
+       (SELECT count(*) FROM asked)::integer AS notified;
 
 -- name: retry_dead_chunk
 -- Replay up to %(chunk)s dead jobs of the filtered set, with jobs.sql

@@ -2,15 +2,27 @@
 
 -- name: upsert
 -- `tenantq tenant set`: NULL arguments leave the stored value alone; a cap
--- of 0 from the CLI is mapped to NULL (no cap) before it gets here.
-INSERT INTO tenants AS t (tenant_id, weight, max_sandboxes, egress)
-VALUES (%(tenant_id)s, coalesce(%(weight)s, 1), %(max_sandboxes)s, coalesce(%(egress)s::text[], '{}'))
+-- of 0 from the CLI is mapped to NULL (no cap) before it gets here. The
+-- retention overrides (seconds) are written when their `*_set` flag is
+-- true: a number of seconds, or NULL to go back to the workers' defaults
+-- (TENANTQ_RETAIN_DONE / _CANCELLED / _DEAD).
+INSERT INTO tenants AS t (tenant_id, weight, max_sandboxes, egress, retain_done_seconds,
+                          retain_cancelled_seconds, retain_dead_seconds)
+VALUES (%(tenant_id)s, coalesce(%(weight)s, 1), %(max_sandboxes)s, coalesce(%(egress)s::text[], '{}'),
+        %(retain_done)s::float8, %(retain_cancelled)s::float8, %(retain_dead)s::float8)
 ON CONFLICT (tenant_id) DO UPDATE
 SET weight = coalesce(%(weight)s, t.weight),
     max_sandboxes = CASE WHEN %(clear_cap)s THEN NULL
                          ELSE coalesce(%(max_sandboxes)s, t.max_sandboxes) END,
-    egress = coalesce(%(egress)s::text[], t.egress)
-RETURNING tenant_id, weight, max_sandboxes, egress;
+    egress = coalesce(%(egress)s::text[], t.egress),
+    retain_done_seconds = CASE WHEN %(retain_done_set)s THEN %(retain_done)s::float8
+                               ELSE t.retain_done_seconds END,
+    retain_cancelled_seconds = CASE WHEN %(retain_cancelled_set)s THEN %(retain_cancelled)s::float8
+                                    ELSE t.retain_cancelled_seconds END,
+    retain_dead_seconds = CASE WHEN %(retain_dead_set)s THEN %(retain_dead)s::float8
+                               ELSE t.retain_dead_seconds END
+RETURNING tenant_id, weight, max_sandboxes, egress, retain_done_seconds, retain_cancelled_seconds,
+          retain_dead_seconds;
 
 -- name: set_paused
 -- `tenantq tenant pause|resume`: the pick skips a paused tenant's queues
@@ -23,7 +35,10 @@ SET paused_at = CASE WHEN %(paused)s THEN coalesce(t.paused_at, now()) END
 RETURNING tenant_id, paused_at;
 
 -- name: list
+-- The retain_*_seconds columns are the tenant's overrides; NULL: the
+-- workers' defaults.
 SELECT t.tenant_id, t.weight, t.max_sandboxes, t.egress, t.paused_at,
+       t.retain_done_seconds, t.retain_cancelled_seconds, t.retain_dead_seconds,
        (SELECT count(*) FROM batches b
         WHERE b.tenant_id = t.tenant_id AND b.ended_at IS NULL AND b.lease_expires_at > now()) AS live_batches,
        (SELECT coalesce(sum(q.deficit), 0) FROM queues q WHERE q.tenant_id = t.tenant_id) AS deficit
