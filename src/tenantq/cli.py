@@ -274,63 +274,6 @@ def dead_retry(job_id: int | None, all_: bool, tenant: str | None) -> None:
     click.echo(f"replayed {len(ids)} job(s)")
 
 
-@cli.group()
-def tenant() -> None:
-    """Tenant settings."""
-
-
-@tenant.command("set")
-@click.argument("tenant_id")
-@click.option("--weight", type=int, default=None, help="Plan-tier weight (default 1).")
-@click.option("--max-sandboxes", type=int, default=None, help="Cap on running batches; 0 = no cap.")
-@click.option("--egress", default=None,
-              help='Hosts its sandboxed jobs may reach: "api.stripe.com,*.salesforce.com:443"; "" = none.')
-@click.option("--retain-done", default=None, metavar="DURATION",
-              help="Keep its done jobs this long (30d, 12h...); default: TENANTQ_RETAIN_DONE again.")
-@click.option("--retain-cancelled", default=None, metavar="DURATION",
-              help="Keep its cancelled jobs this long; default: TENANTQ_RETAIN_CANCELLED again.")
-@click.option("--retain-dead", default=None, metavar="DURATION",
-              help="Keep its dead jobs this long; default: TENANTQ_RETAIN_DEAD again.")
-def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, egress: str | None,
-               retain_done: str | None, retain_cancelled: str | None, retain_dead: str | None) -> None:
-    """Set a tenant's weight, concurrency cap, egress rules and retention
-    (how long its finished jobs are kept, per status; the word `default`
-    removes the tenant's own window)."""
-    with _queue() as q:
-        row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress,
-                           retain_done=retain_done, retain_cancelled=retain_cancelled,
-                           retain_dead=retain_dead)
-    from tenantq.render import seconds_text
-
-    cap = row["max_sandboxes"] if row["max_sandboxes"] is not None else "none"
-    windows = [row.get(f"retain_{status}_seconds") for status in ("done", "cancelled", "dead")]
-    retention = ""
-    if any(w is not None for w in windows) or (retain_done, retain_cancelled, retain_dead) != (None,) * 3:
-        retention = (f"retain done {seconds_text(windows[0])}, cancelled {seconds_text(windows[1])}, "
-                     f"dead {seconds_text(windows[2])}, ")
-    click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}, {retention}"
-               f"egress {', '.join(row['egress']) or 'none'}")
-
-
-@tenant.command("pause")
-@click.argument("tenant_id")
-def tenant_pause(tenant_id: str) -> None:
-    """Pause a tenant: no new batch of its jobs starts (running ones
-    finish); enqueueing goes on; `tenantq job` says why its jobs wait."""
-    with _queue() as q:
-        q.pause_tenant(tenant_id, paused=True)
-    click.echo(f"paused tenant {tenant_id}: no new batch of its jobs starts; running ones finish")
-
-
-@tenant.command("resume")
-@click.argument("tenant_id")
-def tenant_resume(tenant_id: str) -> None:
-    """Resume a paused tenant: its jobs are picked again."""
-    with _queue() as q:
-        q.pause_tenant(tenant_id, paused=False)
-    click.echo(f"resumed tenant {tenant_id}")
-
-
 @cli.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; keep it local unless --token is set.")
@@ -424,12 +367,16 @@ def _add_subcommands() -> None:
     from tenantq.cli_jobs import jobs
     from tenantq.cli_sandbox import template
     from tenantq.cli_schedule import schedule
+    from tenantq.cli_tenant import kind, rates, tenant
     from tenantq.cli_worker import worker
 
     cli.add_command(worker)
     cli.add_command(template)
     cli.add_command(jobs)
     cli.add_command(schedule)
+    cli.add_command(tenant)
+    cli.add_command(kind)
+    cli.add_command(rates)
 
 
 _add_subcommands()
