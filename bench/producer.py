@@ -183,6 +183,7 @@ def run(*, transactions: int = 2_000, waits: int = 300, waiters: int = 1_000) ->
         async_wait = asyncio.run(wait_async(db, waits))
         many = asyncio.run(many_waiters(db, waiters))
     results = {
+        "benchmark": "producer",
         "machine": info,
         "transactional": {
             "sync": {k: _ms(v) for k, v in sync_tx.items()},

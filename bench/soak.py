@@ -208,8 +208,8 @@ def run(*, total: int = 2_000_000, rate: float = 5_000.0, interval: float = 30.0
         console.print(f"{'retention' if r['retention'] else 'no retention'}: "
                       f"{'PASS' if r['verdict']['pass'] else 'FAIL'} "
                       f"(table stopped growing: {r['verdict'].get('table_stopped_growing')})")
-    payload = {"machine": info, "settings": {"total": total, "rate": rate, "interval": interval,
-                                             "workers": workers, "tenants": tenants}, "runs": runs}
+    settings = {"total": total, "rate": rate, "interval": interval, "workers": workers, "tenants": tenants}
+    payload = {"benchmark": "soak", "machine": info, "settings": settings, "runs": runs}
     if plot:
         from bench.plot import plot_soak
 

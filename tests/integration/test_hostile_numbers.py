@@ -185,8 +185,9 @@ def test_every_float_column_has_a_finite_check(db: Database) -> None:
                                                   "WHERE n.nspname = %(s)s AND co.contype = 'c'",
                                               {"s": db.schema})}
     assert {f"{r['column_name']}_finite" for r in floats} <= checks
-    # deficit, avg_job_seconds, run_seconds, charged_seconds, workers.lease_seconds
-    assert len(floats) == 5, floats
+    # deficit, avg_job_seconds, run_seconds, charged_seconds, workers.lease_seconds,
+    # tenants.retain_{done,cancelled,dead}_seconds, rate_limits.{per_second,burst,tokens}
+    assert len(floats) == 11, floats
 
 
 def _one_queue_and_batch(queue: Queue, db: Database) -> None:
@@ -233,7 +234,9 @@ def test_migration_0004_repairs_poisoned_rows_before_adding_the_checks(fresh_sch
                                   "JOIN pg_namespace n ON n.oid = co.connamespace "
                                   "WHERE n.nspname = %(s)s AND co.conname LIKE '%%\\_finite'",
                     {"s": fresh_schema.schema})
-    assert row["n"] == 5  # 0004's four, and workers.lease_seconds (0005)
+    # 0004's four, workers.lease_seconds (0005), and 0007's six (retention
+    # windows, rate limits)
+    assert row["n"] == 11
     with fresh_schema.connect() as conn, pytest.raises(psycopg.errors.CheckViolation):
         conn.execute("UPDATE queues SET deficit = 'NaN'")
 

@@ -28,11 +28,11 @@ CREATE TABLE tenants (
     paused_at     timestamptz,
     -- retention overrides in seconds (NULL: the worker's defaults)
     retain_done_seconds double precision
-        CONSTRAINT retain_done_range CHECK (retain_done_seconds IS NULL OR (retain_done_seconds >= 0 AND retain_done_seconds < 'Infinity'::float8)),
+        CONSTRAINT retain_done_seconds_finite CHECK (retain_done_seconds IS NULL OR (retain_done_seconds >= 0 AND retain_done_seconds < 'Infinity'::float8)),
     retain_cancelled_seconds double precision
-        CONSTRAINT retain_cancelled_range CHECK (retain_cancelled_seconds IS NULL OR (retain_cancelled_seconds >= 0 AND retain_cancelled_seconds < 'Infinity'::float8)),
+        CONSTRAINT retain_cancelled_seconds_finite CHECK (retain_cancelled_seconds IS NULL OR (retain_cancelled_seconds >= 0 AND retain_cancelled_seconds < 'Infinity'::float8)),
     retain_dead_seconds double precision
-        CONSTRAINT retain_dead_range CHECK (retain_dead_seconds IS NULL OR (retain_dead_seconds >= 0 AND retain_dead_seconds < 'Infinity'::float8))
+        CONSTRAINT retain_dead_seconds_finite CHECK (retain_dead_seconds IS NULL OR (retain_dead_seconds >= 0 AND retain_dead_seconds < 'Infinity'::float8))
 );
 
 -- One row per (tenant, priority class) that ever had a job: the scheduler's
@@ -272,9 +272,9 @@ CREATE TABLE rate_limits (
     tenant_id   text NOT NULL,
     kind        text NOT NULL,
     per_second  double precision NOT NULL
-        CONSTRAINT rate_positive CHECK (per_second > 0 AND per_second < 'Infinity'::float8),
+        CONSTRAINT per_second_finite CHECK (per_second > 0 AND per_second < 'Infinity'::float8),
     burst       double precision NOT NULL
-        CONSTRAINT burst_range CHECK (burst >= 1 AND burst < 'Infinity'::float8),
+        CONSTRAINT burst_finite CHECK (burst >= 1 AND burst < 'Infinity'::float8),
     tokens      double precision NOT NULL
         CONSTRAINT tokens_finite CHECK (tokens > '-Infinity'::float8 AND tokens < 'Infinity'::float8),
     refilled_at timestamptz NOT NULL,
