@@ -33,6 +33,13 @@ from tenantq.errors import TenantqError
 from tenantq.store.db import Database
 from tenantq.store.steps import Query, Steps, async_execute, execute
 
+# On tenantq's own pool a statement refused for a deadlock or a
+# serialization failure rolled back alone (autocommit, or an atomic
+# operation's own transaction): it is run again, up to this many times in
+# all. On a caller's connection the caller's transaction is aborted, and
+# retrying it is the caller's to do.
+RETRIES = 3
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -81,11 +88,11 @@ class operation(Generic[P, T]):  # lower case: a decorator, like property
         op = self
         if isinstance(obj, AsyncRunner):
             async def bound_async(*args: Any, **kwargs: Any) -> Any:
-                return await obj._drive(op, op.steps(obj, *args, **kwargs), kwargs.get("conn"))
+                return await obj._drive(op, lambda: op.steps(obj, *args, **kwargs), kwargs.get("conn"))
             bound: Callable[..., Any] = bound_async
         else:
             def bound_sync(*args: Any, **kwargs: Any) -> Any:
-                return obj._drive(op, op.steps(obj, *args, **kwargs), kwargs.get("conn"))
+                return obj._drive(op, lambda: op.steps(obj, *args, **kwargs), kwargs.get("conn"))
             bound = bound_sync
         functools.update_wrapper(bound, self.steps)
         bound.__signature__ = self.signature  # type: ignore[attr-defined]
@@ -126,11 +133,17 @@ class SyncRunner(_Runner):
     def _pool_connection(self) -> Any:
         raise NotImplementedError
 
-    def _drive(self, op: operation[Any, Any], steps: Steps[Any], caller: object) -> Any:
+    def _drive(self, op: operation[Any, Any], make: Callable[[], Steps[Any]], caller: object) -> Any:
         try:
             if caller is not None:
-                return self._steps(op, steps, lambda: _borrowed(connections.sync_connection(caller)))
-            return self._steps(op, steps, self._pool_connection)
+                return self._steps(op, make(), lambda: _borrowed(connections.sync_connection(caller)))
+            for attempt in range(RETRIES):
+                try:
+                    return self._steps(op, make(), self._pool_connection)
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    if attempt == RETRIES - 1:
+                        raise
+            raise AssertionError("unreachable")
         except psycopg.errors.UndefinedTable as exc:
             raise _missing_tables(self.db, exc, caller=caller is not None) from None
 
@@ -190,12 +203,18 @@ class AsyncRunner(_Runner):
     async def _pool_connection(self) -> Any:
         raise NotImplementedError
 
-    async def _drive(self, op: operation[Any, Any], steps: Steps[Any], caller: object) -> Any:
+    async def _drive(self, op: operation[Any, Any], make: Callable[[], Steps[Any]], caller: object) -> Any:
         try:
             if caller is not None:
                 conn = await connections.async_connection(caller)
-                return await self._steps(op, steps, conn)
-            return await self._steps(op, steps, None)
+                return await self._steps(op, make(), conn)
+            for attempt in range(RETRIES):
+                try:
+                    return await self._steps(op, make(), None)
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    if attempt == RETRIES - 1:
+                        raise
+            raise AssertionError("unreachable")
         except psycopg.errors.UndefinedTable as exc:
             raise _missing_tables(self.db, exc, caller=caller is not None) from None
 

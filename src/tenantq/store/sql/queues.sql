@@ -93,10 +93,21 @@ UNION ALL
  ORDER BY q.tenant_id LIMIT %(limit)s);
 
 -- name: set_deficits
+-- Lock order: the rows are locked in tenant order first (LockRows above
+-- the sort), as enqueues lock them (jobs.sql `insert`); an UPDATE ... FROM
+-- alone locks them in whatever order its join produces, and an enqueue of
+-- several tenants locking the same rows the other way round deadlocked
+-- (found by `./run bench soak`).
+WITH ordered AS (
+    SELECT q.tenant_id FROM queues q
+    WHERE q.priority = %(priority)s AND q.tenant_id = ANY(%(tenant_ids)s::text[])
+    ORDER BY q.tenant_id
+    FOR NO KEY UPDATE
+)
 UPDATE queues q
 SET deficit = d.deficit
-FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenant_id, deficit)
-WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s;
+FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenant_id, deficit), ordered o
+WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s AND o.tenant_id = d.tenant_id;
 
 -- name: charge
 -- Fairness by run time, when a batch ends (after batches.end in the same
