@@ -179,7 +179,7 @@ def verdict(samples: list[dict[str, float]], warmup: int) -> dict[str, Any]:
 
 
 def run(*, total: int = 2_000_000, rate: float = 2_500.0, interval: float = 30.0, workers: int = 2,
-        tenants: int = 20, warmup: int = 2, compare: bool = True, compare_total: int = 600_000,
+        tenants: int = 20, warmup: int = 2, compare: bool = True, compare_total: int = 500_000,
         plot: bool = True) -> dict[str, Any]:
     """`compare_total`: the jobs of the run without retention (its table
     only grows; a shorter run shows it)."""
