@@ -6,7 +6,19 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from bench import boundary, chaos, egress, fairness, producer, sandbox, scaling, soak, throughput, warm
+from bench import (
+    boundary,
+    chaos,
+    egress,
+    fairness,
+    producer,
+    sandbox,
+    sandbox_api,
+    scaling,
+    soak,
+    throughput,
+    warm,
+)
 
 BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "throughput": throughput.run,
@@ -19,6 +31,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "boundary": boundary.run,
     "producer": producer.run,
     "soak": soak.run,
+    "sandbox-api": sandbox_api.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
@@ -30,7 +43,9 @@ SMALL: dict[str, dict[str, Any]] = {
     "boundary": {"drivers": ("process",)},
     "producer": {"transactions": 20, "waits": 5, "waiters": 20},
     "soak": {"total": 6_000, "rate": 3_000.0, "interval": 1.0, "workers": 1, "warmup": 0, "compare": False,
+             "probes": 20,
              "plot": False},
+    "sandbox-api": {"n": 2},
     "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
 }
 

@@ -25,9 +25,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 @contextmanager
-def scratch_schema(prefix: str = "bench") -> Iterator[Database]:
-    """A freshly migrated schema, dropped afterwards."""
-    base = Database.resolve()
+def scratch_schema(prefix: str = "bench", dsn: str | None = None) -> Iterator[Database]:
+    """A freshly migrated schema (on `dsn`, else the configured server), dropped afterwards."""
+    base = Database.resolve(dsn)
     db = Database(dsn=base.dsn, schema=f"{prefix}_{uuid.uuid4().hex[:8]}")
     migrate(db)
     try:
