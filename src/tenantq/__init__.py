@@ -27,6 +27,7 @@ from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
     from tenantq.queue import AsyncQueue, JobSpec, Queue
+    from tenantq.sandbox.api import Sandbox
 
 
 def __getattr__(name: str) -> Any:
@@ -37,6 +38,10 @@ def __getattr__(name: str) -> Any:
         from tenantq import queue
 
         return getattr(queue, name)
+    if name == "Sandbox":
+        from tenantq.sandbox.api import Sandbox
+
+        return Sandbox
     raise AttributeError(f"module 'tenantq' has no attribute {name!r}")
 
 __version__ = "0.1.0"
@@ -54,6 +59,7 @@ __all__ = [
     "LeaseLost",
     "Queue",
     "Registry",
+    "Sandbox",
     "TenantqError",
     "WaitTimeout",
     "__version__",

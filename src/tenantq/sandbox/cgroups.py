@@ -105,6 +105,21 @@ class CgroupBox:
         except (OSError, ValueError):
             return False
 
+    def oom_kills(self) -> int:
+        """How many processes the memory limit killed so far, in the box and
+        its child cgroups (runsc puts the container in a child): a counter
+        the host reads itself, so an OOM during one command is a change."""
+        base = self._controller_path("memory")
+        name, key = ("memory.oom_control", "oom_kill") if self.v1 else ("memory.events", "oom_kill")
+        total = 0
+        for path in [base, *(p for p in base.glob("*") if p.is_dir())] if base.is_dir() else []:
+            try:
+                lines = (path / name).read_text().splitlines()
+            except OSError:
+                continue
+            total += sum(int(line.split()[1]) for line in lines if line.startswith(key + " "))
+        return total
+
     def kill_all(self) -> None:
         for procs in [p / "cgroup.procs" for p in self.all_paths()]:
             with contextlib.suppress(OSError, ValueError):

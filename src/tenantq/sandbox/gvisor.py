@@ -34,6 +34,7 @@ from tenantq.sandbox.hostside import (
     expired_dirs,
     owner_alive,
     read_meta,
+    spec_from_meta,
     start_process,
     unmount_work_dir,
 )
@@ -77,11 +78,15 @@ class GVisorDriver:
         self.state_root.mkdir(parents=True, exist_ok=True)
         self.base = data_dir / "sandboxes" / self.name
 
-    def runsc_cmd(self, *args: str) -> list[str]:
+    def runsc_cmd(self, *args: str, overlay: bool = False) -> list[str]:
         # --host-uds=open: a job may connect to a host Unix socket it can see,
-        # and the only one mounted in is its batch's egress proxy
+        # and the only one mounted in is its batch's egress proxy.
+        # --overlay2=root:memory (API sandboxes): writes to the root go to
+        # the sandbox's own memory (capped by its limit, saved with a
+        # checkpoint, so a fork carries them), never to the shared skeleton
+        flags = ["--overlay2=root:memory"] if overlay else []
         return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none",
-                "--host-uds=open", *args]
+                "--host-uds=open", *flags, *args]
 
     def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[GVisorSandbox, Running]:
         """A new sandbox whose processes resume from a checkpoint image."""
@@ -106,6 +111,13 @@ class GVisorDriver:
             shutil.rmtree(path, ignore_errors=True)
             CgroupBox(sandbox_id).remove()
             raise
+
+    def adopt(self, sandbox_id: str, path: Path, meta: dict[str, object]) -> GVisorSandbox:
+        """The host side of a sandbox another process created (Sandbox.connect)."""
+        spec = spec_from_meta(meta)
+        skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
+        return GVisorSandbox(self, sandbox_id, path, spec, skeleton,
+                             existing=meta)
 
     def _containers(self) -> list[dict[str, Any]]:
         out = subprocess.run(self.runsc_cmd("list", "-format=json"), capture_output=True, text=True,
@@ -144,13 +156,21 @@ def _now() -> float:
 
 class GVisorSandbox(HostSandbox):
     def __init__(self, driver: GVisorDriver, sandbox_id: str, path: Path, spec: SandboxSpec,
-                 skeleton: Path) -> None:
-        super().__init__(sandbox_id, path, spec, driver.name)
+                 skeleton: Path, existing: dict[str, object] | None = None) -> None:
+        super().__init__(sandbox_id, path, spec, driver.name, existing)
         self.driver = driver
         self.skeleton = skeleton
         self._running: str | None = None
         # containers whose `runsc run` we killed: their state needs a delete
         self._dirty: list[str] = []
+        # a sandbox another process started (Sandbox.connect): its container
+        self._adopted = str(existing["container"]) if existing and "container" in existing else None
+
+    def signal_init(self, signum: int) -> None:
+        """Signal the container's init (an API sandbox's agent)."""
+        cid = self._running or self._adopted
+        if cid is not None:
+            subprocess.run(self.driver.runsc_cmd("kill", cid, str(signum)), capture_output=True, timeout=30)
 
     def _config(
         self, cid: str, argv: list[str], env: dict[str, str], *, self_limiting: bool, supervisor: bool = False
@@ -173,23 +193,25 @@ class GVisorSandbox(HostSandbox):
         # each guest process costs the sandbox ~6 host tasks (sentry, stubs):
         # stay well under the pids backstop, whose hit panics the sentry
         nproc = max(16, (spec.max_pids - 64) // 16)
-        uid = 0 if supervisor else GUEST_UID
-        caps = SUPERVISOR_CAPS if supervisor else []
+        # an API sandbox's processes are its root, with no capability: they
+        # own the (overlaid) root; gVisor's sentry is the boundary either way
+        uid = 0 if supervisor or spec.writable_root else GUEST_UID
+        caps = SUPERVISOR_CAPS if supervisor and not spec.writable_root else []
         return {
             "ociVersion": "1.0.0",
             "process": {
                 "terminal": False,
-                "user": {"uid": uid, "gid": 0 if supervisor else GUEST_GID},
+                "user": {"uid": uid, "gid": 0 if uid == 0 else GUEST_GID},
                 "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
                 "args": init,
                 "env": [f"{k}={v}" for k, v in {**BASE_ENV, **env}.items()],
                 # the work dir is the job uid's (0700): the runner stays out
-                "cwd": "/" if supervisor else GUEST_WORK_DIR,
+                "cwd": "/" if uid == 0 else GUEST_WORK_DIR,
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024},
                             {"type": "RLIMIT_NPROC", "hard": nproc, "soft": nproc}],
                 "noNewPrivileges": True,
             },
-            "root": {"path": str(self.skeleton), "readonly": True},
+            "root": {"path": str(self.skeleton), "readonly": not spec.writable_root},
             "hostname": "sandbox",
             "mounts": mounts,
             "linux": {
@@ -223,7 +245,8 @@ class GVisorSandbox(HostSandbox):
         if cid is None or proc is None:
             raise SnapshotFailed("nothing runs in this sandbox to checkpoint")
         image.mkdir(parents=True)
-        done = subprocess.run(self.driver.runsc_cmd("checkpoint", "--image-path", str(image), cid),
+        done = subprocess.run(self.driver.runsc_cmd("checkpoint", "--image-path", str(image), cid,
+                                                    overlay=self.spec.writable_root),
                               capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             raise SnapshotFailed(f"runsc checkpoint failed: {done.stderr.strip()[-300:]}")
@@ -246,9 +269,11 @@ class GVisorSandbox(HostSandbox):
 
         # runsc hands its stdio to the container: stdin and stdout are the
         # control channel's pipes, stderr an append-mode file (notes/gvisor.md)
-        running = start_process(self, self.driver.runsc_cmd(*command, "--bundle", str(self.path), cid),
-                                None, kill, new_session=True, kind=GVisorRunning)
+        runsc = self.driver.runsc_cmd(*command, "--bundle", str(self.path), cid,
+                                      overlay=self.spec.writable_root)
+        running = start_process(self, runsc, None, kill, new_session=True, kind=GVisorRunning)
         self._proc, self._running = running.proc, cid
+        self.update_meta(container=cid, host_pid=running.proc.pid)
         return running
 
     def _live(self) -> str | None:
@@ -272,6 +297,9 @@ class GVisorSandbox(HostSandbox):
         if self.destroyed:
             return
         self.destroyed = True
+        if self._adopted is not None:
+            self._kill(self._adopted)
+            self._dirty.append(self._adopted)
         proc, cid = self._proc, self._live()
         if cid is not None:
             self._kill(cid)

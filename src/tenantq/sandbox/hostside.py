@@ -27,6 +27,9 @@ from tenantq.sandbox.channel import Channel
 from tenantq.sandbox.spec import TAIL_BYTES, End, ExecResult, SandboxSpec, classify_exit
 
 META_FILE = "sandbox.json"
+# in the sandbox's egress dir (host-owned, read-only inside at
+# /tenantq/egress): the deadline an API sandbox's agent enforces by itself
+DEADLINE_FILE = "deadline"
 # the runner's stderr file: past this the sandbox is killed (only tenantq's
 # own guest code writes there, so a flood means something is very wrong)
 MAX_STDERR_BYTES = 8 << 20
@@ -35,7 +38,10 @@ MAX_STDERR_BYTES = 8 << 20
 class HostSandbox:
     """A sandbox's host-side state under <data_dir>/sandboxes/<driver>/<id>."""
 
-    def __init__(self, sandbox_id: str, path: Path, spec: SandboxSpec, driver_name: str) -> None:
+    def __init__(self, sandbox_id: str, path: Path, spec: SandboxSpec, driver_name: str,
+                 existing: dict[str, object] | None = None) -> None:
+        """`existing`: the metadata of a sandbox another process made, which
+        this object now drives (Sandbox.connect): nothing is written."""
         self.id = sandbox_id
         self.path = path
         self.spec = spec
@@ -48,10 +54,25 @@ class HostSandbox:
         self.work_mounted = False
         self.runs = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        if existing is not None:
+            self.deadline = float(str(existing["deadline"]))
+            self.work_mounted = os.path.ismount(self.work_dir)
+            return
         (path / META_FILE).write_text(json.dumps({
             "id": sandbox_id, "driver": driver_name, "tenant": spec.tenant, "deadline": self.deadline,
             "labels": spec.labels, "created": time.time(), "dispatcher_pid": os.getpid(),
+            "memory_mb": spec.memory_mb, "cpus": spec.cpus, "writable_root": spec.writable_root,
         }))
+        self._write_deadline()
+
+    def _write_deadline(self) -> None:
+        if not self.spec.writable_root:
+            return  # only an API sandbox's agent reads it
+        # written to a new file and renamed: the guest reads it whole or not at all
+        staging = self.egress_dir.parent / f".{DEADLINE_FILE}"
+        staging.write_text(f"{self.deadline:.3f}\n")
+        os.chmod(staging, 0o644)
+        os.replace(staging, self.egress_dir / DEADLINE_FILE)
 
     def oom_killed(self) -> bool:
         """Did the memory cgroup kill something here for exceeding the limit?"""
@@ -61,7 +82,10 @@ class HostSandbox:
         return max(0.0, self.deadline - time.time())
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> Running:
+        raise NotImplementedError
+
+    def destroy(self) -> None:
         raise NotImplementedError
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
@@ -84,11 +108,18 @@ class HostSandbox:
             running.close()
 
     def extend_deadline(self, seconds: float) -> None:
-        """A kept-warm sandbox lives on: move the deadline the reaper reads."""
+        """Move the deadline (what the reaper and an API sandbox's agent read)
+        to `seconds` from now: a kept-warm sandbox lives on, set_ttl()."""
         self.deadline = time.time() + seconds
+        self.update_meta(deadline=self.deadline)
+        self._write_deadline()
+
+    def update_meta(self, **values: object) -> None:
         meta = read_meta(self.path) or {}
-        meta["deadline"] = self.deadline
-        (self.path / META_FILE).write_text(json.dumps(meta))
+        meta.update(values)
+        staging = self.path / f".{META_FILE}"
+        staging.write_text(json.dumps(meta))
+        os.replace(staging, self.path / META_FILE)
 
     def mount_work_dir(self, owner: int) -> None:
         """The work dir as a tmpfs of its own: the quota is its size."""
@@ -220,6 +251,18 @@ def read_meta(path: Path) -> dict[str, object] | None:
         return dict(json.loads((path / META_FILE).read_text()))
     except (OSError, ValueError):
         return None
+
+
+def spec_from_meta(meta: dict[str, object]) -> SandboxSpec:
+    """The spec of a sandbox another process made, as far as the host's own
+    metadata file records it (its mounts are this host's guest Python)."""
+    from tenantq.sandbox.layout import guest_python
+
+    labels = meta.get("labels")
+    return SandboxSpec(tenant=str(meta.get("tenant") or ""), memory_mb=int(str(meta.get("memory_mb", 512))),
+                       cpus=float(str(meta.get("cpus", 1.0))), mounts=guest_python(None).mounts,
+                       labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {},
+                       writable_root=bool(meta.get("writable_root")))
 
 
 def owner_alive(meta: dict[str, object] | None) -> bool:

@@ -31,7 +31,14 @@ from pathlib import Path
 from tenantq.sandbox import cgroups, seccomp
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
-from tenantq.sandbox.hostside import HostSandbox, Running, expired_dirs, start_process, unmount_work_dir
+from tenantq.sandbox.hostside import (
+    HostSandbox,
+    Running,
+    expired_dirs,
+    spec_from_meta,
+    start_process,
+    unmount_work_dir,
+)
 from tenantq.sandbox.layout import (
     GUEST_EGRESS_DIR,
     GUEST_GID,
@@ -85,6 +92,13 @@ class ProcessDriver:
             shutil.rmtree(path, ignore_errors=True)
             raise
 
+    def adopt(self, sandbox_id: str, path: Path, meta: dict[str, object]) -> ProcessSandbox:
+        """The host side of a sandbox another process created (Sandbox.connect)."""
+        spec = spec_from_meta(meta)
+        skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
+        return ProcessSandbox(self, sandbox_id, path, spec, skeleton,
+                              existing=meta)
+
     def reap(self) -> list[str]:
         removed: list[str] = []
         for path in expired_dirs(self.base):
@@ -97,10 +111,22 @@ class ProcessDriver:
 
 class ProcessSandbox(HostSandbox):
     def __init__(self, driver: ProcessDriver, sandbox_id: str, path: Path, spec: SandboxSpec,
-                 skeleton: Path) -> None:
-        super().__init__(sandbox_id, path, spec, driver.name)
+                 skeleton: Path, existing: dict[str, object] | None = None) -> None:
+        super().__init__(sandbox_id, path, spec, driver.name, existing)
         self.driver = driver
         self.skeleton = skeleton
+        self._host_pid = int(str(existing["host_pid"])) if existing and "host_pid" in existing else None
+
+    def signal_init(self, signum: int) -> None:
+        """Signal the sandbox's init (an API sandbox's agent): bwrap's child,
+        pid 1 of the sandbox's pid namespace."""
+        bwrap = self._proc.pid if self._proc is not None else self._host_pid
+        if bwrap is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            for task in Path(f"/proc/{bwrap}/task").iterdir():
+                for child in (task / "children").read_text().split():
+                    os.kill(int(child), signum)
 
     def _argv(self, argv: list[str], env: dict[str, str], *, self_limiting: bool,
               seccomp_fd: int) -> list[str]:
@@ -120,9 +146,12 @@ class ProcessSandbox(HostSandbox):
             args += ["--ro-bind", m.source, m.target]
         # --remount-ro /: bwrap's root is a tmpfs of its own, writable, outside
         # any quota and never emptied between batches; read-only, as under gVisor
+        # an API sandbox keeps bwrap's root tmpfs writable: its pages are
+        # charged to the sandbox's memory cgroup, so the memory limit caps it
         args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
-                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR, "--remount-ro", "/",
-                 "--chdir", GUEST_WORK_DIR, "--clearenv"]
+                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR,
+                 *([] if spec.writable_root else ["--remount-ro", "/"]),
+                 "--chdir", "/" if spec.writable_root else GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
         init = argv if self_limiting else ["/usr/bin/timeout", "-s", "KILL", str(ttl), *argv]
@@ -145,6 +174,7 @@ class ProcessSandbox(HostSandbox):
         finally:
             os.close(filter_fd)
         self._proc = running.proc
+        self.update_meta(host_pid=running.proc.pid)
         return running
 
     def _kill_all(self) -> None:

@@ -37,6 +37,11 @@ class SandboxSpec:
     network: NetworkPolicy = "none"
     mounts: tuple[Mount, ...] = ()
     labels: dict[str, str] = field(default_factory=dict)
+    # a Sandbox API sandbox (sandbox/api.py): a writable layer over the
+    # read-only root (its pages are the sandbox's memory, so the memory
+    # limit caps it), processes as the sandbox's root without capabilities
+    # under gVisor, and the deadline in the host's read-only control dir
+    writable_root: bool = False
 
 
 @dataclass(frozen=True)
