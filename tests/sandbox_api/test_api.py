@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def test_a_guest_symlink_is_the_guest_s_own_business(sbx: Sandbox, data_dir: Pat
     assert sbx.run(f"ln -s {secret} /link && mkdir -p /d && ln -s / /d/root").ok
     with pytest.raises(FileNotFoundError):
         sbx.filesystem.read("/link")
-    sbx.filesystem.write("/d/root/written-through-link", "x")
+    with contextlib.suppress(OSError):  # inside, it lands in the sandbox's own root (or fails there)
+        sbx.filesystem.write("/d/root/written-through-link", "x")
     assert not Path("/written-through-link").exists()
 
 

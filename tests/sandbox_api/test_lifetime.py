@@ -65,6 +65,8 @@ def test_the_ttl_ends_a_sandbox_whose_creator_was_killed(driver_name: str, data_
         if creator.poll() is None:
             creator.kill()
             creator.wait(10)
+        if creator.stdout is not None:
+            creator.stdout.close()
 
 
 def test_connect_drives_a_sandbox_from_another_process_and_delete_ends_it(driver_name: str,

@@ -295,7 +295,7 @@ async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> Non
         await writer.drain()
 
 
-def _bound_socket(path: Path) -> socket.socket:
+def bound_socket(path: Path) -> socket.socket:
     """A listening Unix socket at `path`, however long the path: a socket
     address holds at most 107 bytes, so it is bound through a short
     /proc/self/fd/N/NAME alias of its directory."""
@@ -333,7 +333,7 @@ class EgressHub:
         proxy = BatchProxy(path, policy, self.guard, current_job, on_event, injections, ca, self.upstream_tls)
 
         async def start() -> None:
-            proxy.server = await asyncio.start_unix_server(proxy.handle, sock=_bound_socket(path),
+            proxy.server = await asyncio.start_unix_server(proxy.handle, sock=bound_socket(path),
                                                            limit=HEADER_LIMIT)
 
         asyncio.run_coroutine_threadsafe(start(), self.loop).result(timeout=10)

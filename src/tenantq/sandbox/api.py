@@ -207,7 +207,11 @@ class Sandbox:
         return self._driver.name
 
     def oom_count(self) -> int:
-        return self._host.box.oom_kills()
+        """OOM kills so far, as the host's cgroups count them. Under gVisor
+        the container's own cgroup goes with the sandbox when an OOM kills
+        its sentry, so the box's peak usage at the limit counts as one too."""
+        box = self._host.box
+        return box.oom_kills() + (1 if box.oom_killed(self.spec.memory_mb << 20) else 0)
 
     def end_reason(self, why: str) -> str:
         """Why a command has no exit status: the sandbox itself ended."""
@@ -277,6 +281,8 @@ class Sandbox:
         was = not self._host.destroyed
         self._link.close("the sandbox was deleted")
         self._host.destroy()
+        if self._running is not None:
+            self._running.close()
         return was
 
     kill = delete

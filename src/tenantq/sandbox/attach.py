@@ -14,15 +14,14 @@ always, hostile input (sandbox/agent_link.py).
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
-import socket
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from tenantq.egress.proxy import bound_socket
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.channel import Channel
 from tenantq.sandbox.hostside import HostSandbox, read_meta
@@ -97,11 +96,9 @@ def open_channel(host: HostSandbox, timeout: float = CONNECT_SECONDS) -> Channel
     the agent (SIGUSR1 to the sandbox's init), accept its connection."""
     name = f"client-{uuid.uuid4().hex[:12]}.sock"
     path = host.egress_dir / name
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # bound through a /proc/self/fd alias of the dir: socket paths are short
+    listener = bound_socket(path)
     try:
-        listener.bind(str(path))
-        os.chmod(path, 0o666)  # the guest's uid must be able to connect
-        listener.listen(1)
         listener.settimeout(0.2)
         deadline = time.monotonic() + timeout
         while True:

@@ -219,6 +219,7 @@ class Running:
                           stderr=self.stderr(), end=end)
 
     def close(self) -> None:
+        self.close_stdin()
         with contextlib.suppress(OSError):
             os.close(self._err_fd)
         if self.proc.stdout is not None:
