@@ -67,9 +67,10 @@ if __name__ == "__main__":
 
 def plot_soak(payload: dict[str, Any], path: Path = DOCS / "soak.png") -> Path:
     """The soak's series over time, with and without retention."""
-    series = [("claim_p50_ms", "claim p50 (ms)"), ("drain_per_s", "drained jobs/s"),
-              ("jobs_mb", "jobs table (MB)"), ("small_wait_ms", "small tenant's wait p50 (ms)")]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 6.4), dpi=110)
+    series = [("claim_p50_ms", "pick and claim p50 (ms)"), ("claim_p99_ms", "pick and claim p99 (ms)"),
+              ("drain_per_s", "drained jobs/s"), ("small_wait_ms", "small tenant's wait p50 (ms)"),
+              ("jobs_mb", "jobs table (MB)"), ("indexes_mb", "jobs indexes (MB)")]
+    fig, axes = plt.subplots(3, 2, figsize=(10, 8.6), dpi=110)
     for ax, (key, title) in zip(axes.flat, series, strict=True):
         for run in payload["runs"]:
             xs = [s["t_s"] for s in run["samples"]]

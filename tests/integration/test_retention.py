@@ -171,18 +171,47 @@ def pool(db: Database) -> Iterator[Any]:
         p.close()
 
 
+def test_a_whales_backlog_does_not_starve_the_other_tenants_pruning(queue: Queue, db: Database,
+                                                                     pool: Any) -> None:
+    # found by the soak: chunks took the first tenant's rows for as long as it
+    # had a chunk's worth, so with a whale first the others grew past their window
+    _expired_done(db, queue, "a-whale", 3000, 10 * DAY)
+    for tenant in ("b", "c", "d", "e", "f"):
+        _expired_done(db, queue, tenant, 50, 10 * DAY)
+    duty = maintenance.Maintenance(pool, maintenance.LeaseBook(), lease_seconds=30,
+                                   stopping=threading.Event())
+    windows = {"done": DAY, "cancelled": DAY, "dead": DAY}
+
+    def left() -> dict[str, int]:
+        rows = fetch_all(db, "SELECT tenant_id, count(*) AS n FROM jobs GROUP BY tenant_id")
+        return {str(r["tenant_id"]): int(r["n"]) for r in rows}
+
+    with pool.connection() as conn:
+        first, last = run(conn, jobs.prune_chunk_steps(retention=windows, limit=1000, after=""))
+        assert first == {"done": 1000} and last == "a-whale"
+        assert left() == {"a-whale": 2000, "b": 50, "c": 50, "d": 50, "e": 50, "f": 50}
+        # the next chunk starts after the whale: every other tenant, then round to it
+        second, last = run(conn, jobs.prune_chunk_steps(retention=windows, limit=1000, after=last))
+        assert second == {"done": 1000} and last == "a-whale"
+        assert left() == {"a-whale": 1250}
+        # and maintenance keeps the cursor from round to round
+        duty._prune_after = "c"
+        duty.prune_jobs(conn)
+    assert left() == {}
+
+
 def test_a_backlog_goes_in_chunks_of_a_thousand_in_one_round(queue: Queue, db: Database, pool: Any,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     expired = _expired_done(db, queue, "acme", 2500, 10 * DAY)
     young = _expired_done(db, queue, "acme", 3, 3600)
     statements: list[int] = []
-    real = jobs.prune_steps
+    real = jobs.prune_chunk_steps
 
-    def counted(**kwargs: Any) -> Steps[dict[str, int]]:
+    def counted(**kwargs: Any) -> Steps[tuple[dict[str, int], str]]:
         statements.append(int(kwargs["limit"]))
         return real(**kwargs)
 
-    monkeypatch.setattr(jobs, "prune_steps", counted)
+    monkeypatch.setattr(jobs, "prune_chunk_steps", counted)
     before = _pruned_metric("done")
     duty = maintenance.Maintenance(pool, maintenance.LeaseBook(), lease_seconds=30,
                                    stopping=threading.Event())

@@ -68,6 +68,13 @@ def parse_notification(payload: str) -> tuple[int, int] | None:
     return None
 
 
+def cancelled_error(ok: bool, error: object) -> str:
+    """A cancelled job's last_error: how its run ended, said once (the
+    executor's own "cancelled ..." is not prefixed again)."""
+    note = ended_note(ok, error)
+    return note if note.startswith("cancelled") else f"cancelled while running: {note}"
+
+
 def ended_note(ok: bool, error: object) -> str:
     """How a cancelled job's run ended, for its attempt's record."""
     if ok:

@@ -134,6 +134,8 @@ class Maintenance(threading.Thread):
         self._last_job_prune = 0.0
         # the last round ran out of time with more to prune: go on soon
         self._prune_backlog = False
+        # the last tenant a prune chunk reached: the next starts after it
+        self._prune_after = ""
         self.retention = Settings().retention()
 
     def run(self) -> None:
@@ -167,10 +169,13 @@ class Maintenance(threading.Thread):
         total: dict[str, int] = {}
         deadline = time.monotonic() + PRUNE_BUDGET_SECONDS
         while not self.stopping.is_set():
-            went = run(conn, jobs.prune_steps(retention=self.retention, limit=PRUNE_CHUNK))
+            went, last = run(conn, jobs.prune_chunk_steps(retention=self.retention, limit=PRUNE_CHUNK,
+                                                          after=self._prune_after))
             for status, count in went.items():
                 total[status] = total.get(status, 0) + count
                 metrics.PRUNED.labels(status).inc(count)
+            # the next chunk starts with the tenant after the last one this reached
+            self._prune_after = last or self._prune_after
             if sum(went.values()) < PRUNE_CHUNK:
                 self._prune_backlog = False
                 break

@@ -33,7 +33,7 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from tenantq.dispatch.cancels import ended_note
+from tenantq.dispatch.cancels import cancelled_error
 from tenantq.dispatch.outcome import failed, first_line, is_transient, last_resort, succeeded, unstorable
 from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
@@ -138,9 +138,7 @@ class BatchRun:
         if self.worker.cancels.requested(job_id):
             # the host's own record of the request decides, whatever the
             # executor reported (rule H2); the attempt ends `cancelled`
-            self.pending.append(Settlement(job_id, "cancelled",
-                                           error="cancelled while running: "
-                                                 + ended_note(event.ok, event.error)))
+            self.pending.append(Settlement(job_id, "cancelled", error=cancelled_error(event.ok, event.error)))
         elif event.ok:
             self.pending.append(succeeded(job, event.result, backoff=backoff))
         else:

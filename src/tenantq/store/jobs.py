@@ -397,7 +397,19 @@ def prune_steps(*, retention: dict[str, float], older_than: float | None = None,
     `retention`: seconds per final status; `older_than` overrides every
     window), with their attempt history and refused-egress rows; at most
     `limit` per call. Returns how many went (with dry_run: would go), by status."""
+    counts, _ = yield from prune_chunk_steps(retention=retention, older_than=older_than, limit=limit,
+                                             dry_run=dry_run, now=now)
+    return counts
+
+
+def prune_chunk_steps(*, retention: dict[str, float], older_than: float | None = None, limit: int = 1000,
+                      dry_run: bool = False, now: datetime | None = None,
+                      after: str = "") -> Steps[tuple[dict[str, int], str]]:
+    """prune_steps over the tenants after `after` (in tenant order); also
+    the last tenant it reached, where the next chunk starts (maintenance
+    goes round the tenants so that no tenant's backlog starves the rest)."""
     rows = yield Query(sql("jobs", "prune"), {
         "done": retention["done"], "cancelled": retention["cancelled"], "dead": retention["dead"],
-        "older_than": older_than, "limit": limit, "dry_run": dry_run, "now": now})
-    return {str(r["status"]): int(str(r["n"])) for r in rows}
+        "older_than": older_than, "limit": limit, "dry_run": dry_run, "now": now, "after": after})
+    counts = {str(r["status"]): int(str(r["n"])) for r in rows}
+    return counts, max((str(r["last_tenant"]) for r in rows), default="")

@@ -404,8 +404,14 @@ LIMIT %(limit)s;
 WITH clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
 ), expired AS (
-    SELECT e.id
-    FROM tenants t, clock,
+    SELECT e.id, t.tenant_id, t.turn
+    -- tenants in turn from just after %(after)s (the last tenant the
+    -- previous chunk reached), round to it: a chunk filled by one tenant's
+    -- backlog (a whale's) is followed by the next tenants', not by that
+    -- one's again, so every tenant keeps its window; one statement still
+    -- covers every tenant, so a chunk short of the limit means none is left
+    FROM (SELECT tt.*, row_number() OVER (ORDER BY tt.tenant_id <= %(after)s, tt.tenant_id) AS turn
+          FROM tenants tt ORDER BY turn) AS t, clock,
     LATERAL (
         (SELECT id FROM jobs
          WHERE tenant_id = t.tenant_id AND status = 'done'
@@ -438,4 +444,6 @@ WITH clock AS (
     WHERE NOT %(dry_run)s AND j.id = d.id
     RETURNING j.status
 )
-SELECT d.status, count(*) AS n FROM doomed d GROUP BY d.status;
+SELECT d.status, count(*) AS n,
+       (SELECT x.tenant_id FROM expired x ORDER BY x.turn DESC LIMIT 1) AS last_tenant
+FROM doomed d GROUP BY d.status;
