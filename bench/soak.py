@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,9 @@ from tenantq.store.model import Settlement
 console = Console(width=160)
 ROOT = Path(__file__).resolve().parent.parent
 PROBE_KIND = "soak.probe"
-# per sample: picks-and-claims timed (p99 of 200 is a real percentile, not
-# the max), and the small tenant's jobs per second (its wait's median)
+# per sample interval: picks-and-claims timed, spread over the interval (p99
+# of 200 is a real percentile, not the max), and the small tenant's jobs
+# per second (its wait's median)
 PROBES = 200
 SMALL_PER_S = 10
 SERIES = ("claim_p50_ms", "claim_p99_ms", "enqueue_per_s", "drain_per_s", "jobs_mb", "indexes_mb",
@@ -72,27 +74,45 @@ def _produce(dsn: str, schema: str, total: int, rate: float, tenants: int, stop:
     q.close()
 
 
-def _probe(db: Database, n: int = PROBES) -> list[float]:
-    """Time n picks-and-claims of the probe tenant (its kind is served by no
-    worker), settling each at once."""
-    q = Queue(db.dsn, schema=db.schema)
-    q.enqueue_many([JobSpec("probe", PROBE_KIND) for _ in range(n)])
-    q.close()
-    request = ClaimRequest(worker_id="soak-probe", driver="none", batch_size=1, lease_seconds=60,
-                           kinds=(PROBE_KIND,))
-    times: list[float] = []
-    with db.connect() as conn:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            batch = claim_next(conn, request, "default")
-            times.append(time.perf_counter() - t0)
-            if batch is not None:
-                store_jobs.settle(conn, batch.batch_id, [Settlement(j.id, "done") for j in batch.jobs],
-                                  end_outcome="ok")
-    return times
+class Prober(threading.Thread):
+    """Picks and claims of the probe tenant (its kind is served by no
+    worker), spread evenly over the whole run: `per_interval` per sample
+    interval, each settled at once. A sample's p50/p99 are then those of its
+    whole interval, not of a burst at its end (a burst lands inside or
+    outside an autovacuum run by chance)."""
+
+    def __init__(self, db: Database, interval: float, per_interval: int) -> None:
+        super().__init__(name="soak-prober", daemon=True)
+        self.db, self.pause = db, interval / per_interval
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._times: list[float] = []
+
+    def take(self) -> list[float]:
+        with self._lock:
+            out, self._times = self._times, []
+        return out
+
+    def run(self) -> None:
+        q = Queue(self.db.dsn, schema=self.db.schema)
+        request = ClaimRequest(worker_id="soak-probe", driver="none", batch_size=1, lease_seconds=60,
+                               kinds=(PROBE_KIND,))
+        with self.db.connect() as conn:
+            while not self.stop.wait(self.pause):
+                q.enqueue("probe", PROBE_KIND)
+                t0 = time.perf_counter()
+                batch = claim_next(conn, request, "default")
+                elapsed = time.perf_counter() - t0
+                with self._lock:
+                    self._times.append(elapsed)
+                if batch is not None:
+                    store_jobs.settle(conn, batch.batch_id, [Settlement(j.id, "done") for j in batch.jobs],
+                                      end_outcome="ok")
+        q.close()
 
 
-def _sample(db: Database, interval: float, enqueued_before: int, probes: int) -> tuple[dict[str, float], int]:
+def _sample(db: Database, interval: float, enqueued_before: int,
+            prober: Prober) -> tuple[dict[str, float], int]:
     with db.connect() as conn:
         row = conn.execute(
             "SELECT (SELECT count(*) FROM jobs WHERE finished_at > now() - make_interval(secs => %(i)s)"
@@ -106,7 +126,7 @@ def _sample(db: Database, interval: float, enqueued_before: int, probes: int) ->
             "          AND started_at > now() - make_interval(secs => %(i)s)) AS small_wait",
             {"i": interval}).fetchone()
     assert row is not None
-    claims = _probe(db, probes)
+    claims = prober.take() or [float("nan")] * 2
     enqueued = int(row["max_id"])
     return {
         "claim_p50_ms": statistics.median(claims) * 1000,
@@ -149,8 +169,10 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
         stop = mp.Event()
         producer = mp.Process(target=_produce, args=(db.dsn, db.schema, total, rate, tenants, stop))
         samples: list[dict[str, float]] = []
+        prober = Prober(db, interval, probes)
         try:
             producer.start()
+            prober.start()
             started, enqueued = time.monotonic(), 0
             while producer.is_alive() or _pending(db) > 0:
                 next_at = started + (len(samples) + 1) * interval
@@ -158,13 +180,15 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
                     time.sleep(min(1.0, max(0.0, next_at - time.monotonic())))
                 if time.monotonic() < next_at:
                     break
-                sample, enqueued = _sample(db, interval, enqueued, probes)
+                sample, enqueued = _sample(db, interval, enqueued, prober)
                 sample["t_s"] = time.monotonic() - started
                 samples.append(sample)
                 console.print(f"  {'retention' if retention else 'no retention'} "
                               f"t={sample['t_s']:.0f}s " + " ".join(f"{k}={sample[k]:.1f}" for k in SERIES))
         finally:
             stop.set()
+            prober.stop.set()
+            prober.join(30)
             producer.join(30)
             for proc in procs:
                 proc.terminate()
