@@ -80,6 +80,7 @@ def plot_soak(payload: dict[str, Any], path: Path = DOCS / "soak.png") -> Path:
                     color="#1f7a3a" if run["retention"] else "#c0392b", linewidth=1.8)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("time (s)", fontsize=9)
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     settings = payload["settings"]
