@@ -121,6 +121,13 @@ class AgentLink:
         self.send({**frame, "op": "exec", "id": command_id, "cap": cap})
         return command_id, state
 
+    def forget_command(self, command_id: int) -> None:
+        """An ended command's state goes once its result is taken (a
+        long-lived sandbox runs any number of commands; the host keeps none
+        of their output). A later event for it breaks the link."""
+        with self._lock:
+            self.commands.pop(command_id, None)
+
     # -- receiving -------------------------------------------------------------
 
     def _read(self) -> None:

@@ -110,6 +110,7 @@ class CommandHandle:
                 raise TimeoutError(f"command {self.id} still runs after {timeout:g} s")
             self._state.ended.wait(min([1.0, *(t - now for t in limits)]) if limits else 1.0)
         self._result = self._classify()
+        self.sandbox.link().forget_command(self.id)
         return self._result
 
     def _classify(self) -> ExecResult:
