@@ -47,7 +47,11 @@ def sandbox() -> None:
 def create(template: str, ttl_seconds: float, meta: tuple[str, ...], envs: tuple[str, ...],
            tenant: str | None, memory_mb: int, cpus: float, driver: str | None) -> None:
     """Make a sandbox and print its id."""
+    import os
+
     from tenantq.sandbox.api import Sandbox
+
+    os.environ["TENANTQ_POOL_SIZE"] = "0"  # this process makes one sandbox and exits: no pool to fill
 
     sbx = Sandbox.create(template=template, ttl_seconds=ttl_seconds, metadata=_pairs(meta, "--meta"),
                          envs=_pairs(envs, "--env"), tenant=tenant, memory_mb=memory_mb, cpus=cpus,

@@ -60,6 +60,12 @@ class Settings(BaseSettings):
         description="A CA file the egress proxy trusts for upstream TLS besides the system's (private CAs).",
     )
 
+    pool_size: int = Field(
+        default=2, ge=0, le=64,
+        description="Sandbox API: ready sandboxes kept per template (and driver and limits) by a "
+                    "process that has created one of that kind; 0 turns the pool off.",
+    )
+
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")
     retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")

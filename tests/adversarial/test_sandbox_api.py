@@ -27,8 +27,8 @@ checks the host marker, the host's files and the processes itself.
    frame and garbage into the agent's stdout, or steals the agent's frames.
    The host never hangs, stays bounded, keeps its own timeout, and a
    bystander sandbox of the same process never notices.
-3. floods: 500 MB on stdout and 200 MB on stderr, both at once, binary
-   output, 200,000 two-byte writes, a tiny cap, an orphan holding the pipes,
+3. floods: 500 MB on stdout and 50 MB on stderr, 100 MB on both at once, binary
+   output, 100,000 two-byte writes, a tiny cap, an orphan holding the pipes,
    and a background flood while other execs run.
 4. TTL: commands write/chmod/rename the deadline file, ptrace and signal the
    agent, fork daemons (setsid, signals ignored), spin on the CPU and fill /tmp;
@@ -943,18 +943,18 @@ def attack_floods(h: Host, driver: str) -> None:
             return None
         return out.value
 
-    r = run("500 MB stdout, then 200 MB stderr",
-            "yes tqadv-flood-line | head -c 500000000; yes tqadv-err | head -c 200000000 >&2")
+    r = run("500 MB stdout, then 50 MB stderr",
+            "yes tqadv-flood-line | head -c 500000000; yes tqadv-err | head -c 50000000 >&2")
     if r is not None:
         h.expect(r.ok, f"500 MB flood: reason {r.reason!r}")
         h.expect(r.stdout == ("tqadv-flood-line\n" * 70000)[:DEFAULT_CAP] and r.stdout_truncated,
                  f"500 MB flood: stdout kept {len(r.stdout)} chars, truncated={r.stdout_truncated} "
                  f"(want the first {DEFAULT_CAP} bytes and the flag)")
         h.expect(r.stderr == ("tqadv-err\n" * 120000)[:DEFAULT_CAP] and r.stderr_truncated,
-                 f"200 MB stderr: kept {len(r.stderr)} chars, truncated={r.stderr_truncated}")
+                 f"50 MB stderr: kept {len(r.stderr)} chars, truncated={r.stderr_truncated}")
     h.check_memory("500 MB flood")
-    r = run("300 MB on both streams at once",
-            "(yes e | head -c 300000000 >&2) & yes o | head -c 300000000; wait")
+    r = run("100 MB on both streams at once",
+            "(yes e | head -c 100000000 >&2) & yes o | head -c 100000000; wait")
     if r is not None:
         h.expect(len(r.stdout) == DEFAULT_CAP and len(r.stderr) == DEFAULT_CAP and r.stdout_truncated
                  and r.stderr_truncated, f"both streams: kept {len(r.stdout)}/{len(r.stderr)}, truncated "
@@ -964,12 +964,12 @@ def attack_floods(h: Host, driver: str) -> None:
         h.expect(r.stdout_truncated and len(r.stdout) <= DEFAULT_CAP,
                  f"binary flood: kept {len(r.stdout)} chars, truncated={r.stdout_truncated}")
     chunks: list[int] = []
-    r = run("200,000 two-byte writes",
-            ["python3", "-c", "import os\nfor _ in range(200000):\n    os.write(1, b'x\\n')"],
+    r = run("100,000 two-byte writes",
+            ["python3", "-c", "import os\nfor _ in range(100000):\n    os.write(1, b'x\\n')"],
             on_stdout=lambda text: chunks.append(len(text)))
     if r is not None:
-        h.expect(r.ok and r.stdout == "x\n" * 200000 and not r.stdout_truncated,
-                 f"tiny writes: {r.reason!r}, kept {len(r.stdout)} chars (want 400000)")
+        h.expect(r.ok and r.stdout == "x\n" * 100000 and not r.stdout_truncated,
+                 f"tiny writes: {r.reason!r}, kept {len(r.stdout)} chars (want 200000)")
         h.expect(sum(chunks) == len(r.stdout), f"on_stdout got {sum(chunks)} chars, stdout {len(r.stdout)}")
         h.note(f"tiny writes: on_stdout called {len(chunks)} times")
     chunks.clear()

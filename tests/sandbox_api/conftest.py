@@ -25,6 +25,9 @@ def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     path = tmp_path / "data"
     path.mkdir()
     monkeypatch.setenv("TENANTQ_DATA_DIR", str(path))
+    # no ready pool unless a test asks for one (test_pool.py): it would boot
+    # sandboxes in the background that outlive the test
+    monkeypatch.setenv("TENANTQ_POOL_SIZE", "0")
     leftovers = Leftovers(path)
     yield path
     problems = leftovers.check()

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import base64
 import builtins
+import dataclasses
 import math
+import os
 import re
 import threading
 import time
@@ -35,6 +37,8 @@ from tenantq.sandbox.layout import GUEST_EGRESS_DIR, guest_python
 from tenantq.sandbox.spec import SandboxSpec
 
 API_LABEL = "tenantq.api"
+# a sandbox waiting in the ready pool: no owner yet, not listed
+POOLED_LABEL = "tenantq.pooled"
 TEMPLATES = ("base",)
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
 DEFAULT_OUTPUT_CAP = 1 << 20
@@ -127,11 +131,28 @@ class Sandbox:
         from tenantq.settings import Settings
 
         chosen, _ = get_driver(driver or "auto", Settings().data_dir)
-        python = guest_python(None)
-        spec = SandboxSpec(tenant=tenant or "", memory_mb=memory_mb, cpus=float(cpus), ttl_seconds=ttl,
-                           mounts=python.mounts, writable_root=True,
-                           labels={API_LABEL: template, **{f"meta.{k}": v for k, v in labels.items()}})
         reap_now_and_then(chosen)
+        from tenantq.sandbox.pool import POOLED_TTL_SECONDS, pool
+
+        def pooled() -> Sandbox:
+            return cls._boot_new(chosen, template, POOLED_TTL_SECONDS, {POOLED_LABEL: "1"}, None,
+                                 memory_mb, float(cpus), {}, {}, timeout)
+
+        ready = pool().take((template, chosen.name, memory_mb, float(cpus)), pooled)
+        if ready is not None:
+            ready._hand_out(ttl=ttl, metadata=labels, tenant=tenant, env={**env, **secret_env},
+                            timeout=timeout)
+            return ready
+        return cls._boot_new(chosen, template, ttl, {f"meta.{k}": v for k, v in labels.items()}, tenant,
+                             memory_mb, float(cpus), env, secret_env, timeout)
+
+    @classmethod
+    def _boot_new(cls, chosen: SandboxDriver, template: str, ttl: float, labels: dict[str, str],
+                  tenant: str | None, memory_mb: int, cpus: float, env: dict[str, str],
+                  secret_env: dict[str, str], timeout: float) -> Sandbox:
+        python = guest_python(None)
+        spec = SandboxSpec(tenant=tenant or "", memory_mb=memory_mb, cpus=cpus, ttl_seconds=ttl,
+                           mounts=python.mounts, writable_root=True, labels={API_LABEL: template, **labels})
         host = chosen.create(spec)
         assert isinstance(host, HostSandbox)
         try:
@@ -143,7 +164,19 @@ class Sandbox:
         except BaseException:
             host.destroy()
             raise
-        return cls(host, running, link, chosen, template=template, metadata=labels, timeout_seconds=timeout)
+        metadata = {k[5:]: v for k, v in labels.items() if k.startswith("meta.")}
+        return cls(host, running, link, chosen, template=template, metadata=metadata, timeout_seconds=timeout)
+
+    def _hand_out(self, *, ttl: float, metadata: dict[str, str], tenant: str | None, env: dict[str, str],
+                  timeout: float) -> None:
+        """A pooled sandbox becomes its owner's (sandbox/pool.py)."""
+        labels = {API_LABEL: self.template, **{f"meta.{k}": v for k, v in metadata.items()}}
+        self._host.spec = dataclasses.replace(self._host.spec, tenant=tenant or "", labels=labels)
+        self._host.update_meta(tenant=tenant or "", labels=labels, dispatcher_pid=os.getpid())
+        self._host.extend_deadline(ttl)
+        if env:
+            self._link.send({"op": "env", "env": env})
+        self.metadata, self.tenant, self.default_timeout = metadata, tenant, timeout
 
     @classmethod
     def connect(cls, sandbox_id: str, *, timeout_seconds: float = 60) -> Sandbox:

@@ -48,8 +48,8 @@ class SandboxInfo:
 
 def _info(path: Path, meta: dict[str, object], api_label: str) -> SandboxInfo | None:
     labels = meta.get("labels")
-    if not isinstance(labels, dict) or api_label not in labels:
-        return None
+    if not isinstance(labels, dict) or api_label not in labels or "tenantq.pooled" in labels:
+        return None  # not an API sandbox, or one waiting in a ready pool
     try:
         deadline = float(str(meta["deadline"]))
         created = float(str(meta.get("created", 0)))

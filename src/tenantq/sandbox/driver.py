@@ -10,6 +10,7 @@ same two protocols.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -122,8 +123,10 @@ class SnapshotDriver(Protocol):
         ...
 
 
+@functools.cache
 def runsc_works() -> bool:
-    """Is runsc installed and able to run a container here?"""
+    """Is runsc installed and able to run a container here? (Asked once per
+    process: it runs a command, and a Sandbox.create from the pool must not.)"""
     if shutil.which("runsc") is None:
         return False
     try:
@@ -133,6 +136,7 @@ def runsc_works() -> bool:
     return True
 
 
+@functools.cache
 def bwrap_works() -> bool:
     if shutil.which("bwrap") is None:
         return False
