@@ -47,8 +47,13 @@ def write(request: dict[str, Any]) -> dict[str, Any]:
     if parent:
         os.makedirs(parent, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get("append") else os.O_TRUNC)
-    fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+    # O_NONBLOCK: a FIFO planted at the path must not hang the agent (it
+    # would stop serving, and stop enforcing the TTL); only regular files
+    fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(22, "not a regular file", path)
+        os.set_blocking(fd, True)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -61,11 +66,13 @@ def read(request: dict[str, Any]) -> dict[str, Any]:
     path = _absolute(request)
     offset = max(0, int(request.get("offset", 0)))
     length = min(CHUNK_BYTES, max(0, int(request.get("length", CHUNK_BYTES))))
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO opens at once
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
             raise IsADirectoryError(21, "Is a directory", path)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(22, "not a regular file", path)
         data = os.pread(fd, length, offset)
     finally:
         os.close(fd)
@@ -124,5 +131,6 @@ def handle(request: dict[str, Any]) -> dict[str, Any]:
                 "error": f"unknown file operation {request.get('fs')!r}"}
     try:
         return {"ok": True, **operation(request)}
-    except (OSError, ValueError, TypeError) as exc:
+    # RecursionError: a 1,500-deep tree to remove or make is an error, not a crash
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
         return {"ok": False, "error_type": type(exc).__name__, "error": str(exc)[:1000]}

@@ -20,6 +20,7 @@ import dataclasses
 import math
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -95,6 +96,7 @@ class Sandbox:
         self.default_timeout = timeout_seconds
         self.filesystem = Filesystem(self)
         self._fork_lock = threading.Lock()
+        self._watchdog: subprocess.Popen[bytes] | None = None
         # how long the last fork took (sandbox/forking.py)
         self.last_fork: Any = None
 
@@ -165,7 +167,17 @@ class Sandbox:
             host.destroy()
             raise
         metadata = {k[5:]: v for k, v in labels.items() if k.startswith("meta.")}
-        return cls(host, running, link, chosen, template=template, metadata=metadata, timeout_seconds=timeout)
+        sandbox = cls(host, running, link, chosen, template=template, metadata=metadata,
+                      timeout_seconds=timeout)
+        sandbox.watch()
+        return sandbox
+
+    def watch(self) -> None:
+        """Start the host-side TTL watchdog (sandbox/watchdog.py)."""
+        from tenantq.sandbox import watchdog
+
+        self._watchdog = watchdog.start(self._driver.name, self._driver.data_dir, self.id)
+        self._host.update_meta(watchdog_pid=self._watchdog.pid)
 
     def _hand_out(self, *, ttl: float, metadata: dict[str, str], tenant: str | None, env: dict[str, str],
                   timeout: float) -> None:
@@ -313,6 +325,7 @@ class Sandbox:
         False when it was already gone."""
         was = not self._host.destroyed
         self._link.close("the sandbox was deleted")
+        _stop_watchdog(self._host, self._watchdog)
         self._host.destroy()
         if self._running is not None:
             self._running.close()
@@ -359,9 +372,23 @@ def remove_sandbox(sandbox_id: str) -> bool:
         if meta is None or API_LABEL not in dict(meta.get("labels") or {}):  # type: ignore[call-overload]
             continue
         chosen, _ = get_driver(name, Settings().data_dir)
-        chosen.adopt(sandbox_id, path, meta).destroy()  # type: ignore[attr-defined]
+        host = chosen.adopt(sandbox_id, path, meta)  # type: ignore[attr-defined]
+        _stop_watchdog(host, None)
+        host.destroy()
         return True
     return False
+
+
+def _stop_watchdog(host: HostSandbox, child: subprocess.Popen[bytes] | None) -> None:
+    from tenantq.sandbox import watchdog
+
+    if child is not None:
+        child.kill()
+        child.wait(10)
+        return
+    meta = read_meta(host.path) or {}
+    if "watchdog_pid" in meta:
+        watchdog.stop(int(str(meta["watchdog_pid"])), host.id)
 
 
 _last_reap = [0.0]

@@ -73,6 +73,11 @@ class Filesystem:
         out = bytearray()
         while True:
             reply = self._call("read", path, offset=len(out), length=CHUNK_BYTES)
+            size = reply.get("size")
+            if isinstance(size, int) and not isinstance(size, bool) and size > max_bytes:
+                # refused before it crosses (the size is the guest's word: the
+                # count below bounds what it can make the host hold anyway)
+                raise ValueError(f"read {path}: {size} bytes, larger than max_bytes={max_bytes}")
             chunk = base64.b64decode(str(reply.get("data", "")), validate=True)
             if len(chunk) > CHUNK_BYTES:
                 raise ValueError(f"read {path}: the sandbox sent more than it was asked for")

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tenantq.sandbox.agent_link import AgentLink
 from tenantq.sandbox.driver import SnapshotDriver, SnapshotSandbox
-from tenantq.sandbox.hostside import HostSandbox, Running
+from tenantq.sandbox.hostside import HostSandbox, Running, unmount_work_dir
 from tenantq.sandbox.layout import GUEST_EGRESS_DIR, guest_python
 
 if TYPE_CHECKING:
@@ -39,6 +41,21 @@ class ForkTimes:
     checkpoint_seconds: float
     parent_paused_seconds: float
     total_seconds: float
+
+
+def _mount_tmpfs(path: Path, size_mb: int) -> None:
+    path.mkdir(mode=0o700)
+    options = f"size={size_mb}m,mode=0700"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tenantq-fork", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        path.rmdir()
+        raise OSError(f"cannot mount a tmpfs for the fork's image: {done.stderr.strip()}")
+
+
+def _unmount(path: Path) -> None:
+    unmount_work_dir(path)  # umount -l: the image goes with its tmpfs
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _answered(link: AgentLink) -> None:
@@ -55,15 +72,20 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
                            "use the gvisor driver)")
     argv = [guest_python(None).executable, "-m", "tenantq.guest.agent", "--deadline-file",
             f"{GUEST_EGRESS_DIR}/deadline"]
-    image = host.path.parent / f".{host.id}-fork-{uuid.uuid4().hex[:8]}"
+    # the image holds the parent's memory, secrets included: it goes on a
+    # tmpfs of its own in the sandbox's host-only dir, never on disk, and is
+    # unmounted once every restore has read it
+    holder = host.path / f"fork-{uuid.uuid4().hex[:8]}"
+    _mount_tmpfs(holder, host.spec.memory_mb * 2 + 64)
+    image = holder / "image"
     link = parent.link()
     started = time.monotonic()
-    link.hold(HOLD_SECONDS)
     try:
+        link.hold(HOLD_SECONDS)
         host.checkpoint(image)
     except BaseException:
         link.release()
-        shutil.rmtree(image, ignore_errors=True)
+        _unmount(holder)
         raise
     checkpointed = time.monotonic()
     children: list[Sandbox | BaseException] = [RuntimeError("not restored")] * n
@@ -87,8 +109,10 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
             child_link.ready.set()  # it said so as the parent, before the checkpoint
             child_link.send({"op": "resume", "forget": True})
             _answered(child_link)
-            children[index] = Sandbox(child_host, running, child_link, driver, template=parent.template,
-                                      metadata=dict(parent.metadata), timeout_seconds=parent.default_timeout)
+            child = Sandbox(child_host, running, child_link, driver, template=parent.template,
+                            metadata=dict(parent.metadata), timeout_seconds=parent.default_timeout)
+            child.watch()
+            children[index] = child
         except BaseException as exc:
             if child_host is not None:
                 child_host.destroy()
@@ -100,7 +124,7 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
         thread.start()
     for thread in threads:
         thread.join()
-    shutil.rmtree(image, ignore_errors=True)
+    _unmount(holder)
     if not paused:
         link.fail("the parent could not be restored after its checkpoint")
     failed = [c for c in children if isinstance(c, BaseException)]
