@@ -24,6 +24,7 @@ GUEST_EGRESS_DIR = "/tenantq/egress"
 GUEST_UID = 65534
 GUEST_GID = 65534
 SYSTEM_DIRS = ("/usr",)
+API_DIRS = ("work", "workspace", "run")
 
 ETC_FILES = {
     "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
@@ -101,14 +102,17 @@ def check_mounts(mounts: tuple[Mount, ...]) -> None:
 def build_skeleton(base_dir: Path, mounts: tuple[Mount, ...]) -> Path:
     """A read-only root: empty mount points, merged-/usr symlinks, a minimal
     /etc. Built once per set of mount targets and shared by sandboxes."""
-    key = hashlib.sha256("\n".join(["v2", *sorted(f"{m.target}:{os.path.isdir(m.source)}" for m in mounts)])
+    key = hashlib.sha256("\n".join(["v3", *sorted(f"{m.target}:{os.path.isdir(m.source)}" for m in mounts)])
                          .encode()).hexdigest()[:16]
     root = base_dir / f"rootfs-{key}"
     if (root / ".complete").exists():
         return root
     staging = base_dir / f".rootfs-{key}-{uuid.uuid4().hex[:6]}"
     staging.mkdir(parents=True)
-    for d in ("usr", "tmp", "proc", "dev", "etc", "tenantq/work", "tenantq/egress"):
+    # work, workspace, run: where code written for hosted sandboxes puts its
+    # files (`cd /work && ...`); empty, and writable only in a Sandbox API
+    # sandbox (its writable layer); the queue's jobs see them read-only
+    for d in ("usr", "tmp", "proc", "dev", "etc", "tenantq/work", "tenantq/egress", *API_DIRS):
         (staging / d).mkdir(parents=True, exist_ok=True)
     for link in ("bin", "lib", "lib64", "sbin"):
         os.symlink(f"usr/{link}", staging / link)

@@ -40,6 +40,7 @@ from tenantq.sandbox.hostside import (
     unmount_work_dir,
 )
 from tenantq.sandbox.layout import (
+    API_DIRS,
     GUEST_EGRESS_DIR,
     GUEST_GID,
     GUEST_UID,
@@ -148,6 +149,9 @@ class ProcessSandbox(HostSandbox):
         # any quota and never emptied between batches; read-only, as under gVisor
         # an API sandbox keeps bwrap's root tmpfs writable: its pages are
         # charged to the sandbox's memory cgroup, so the memory limit caps it
+        if spec.writable_root:  # the root tmpfs has no skeleton: the usual dirs, empty
+            for d in API_DIRS:
+                args += ["--dir", f"/{d}"]
         args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
                  "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR,
                  *([] if spec.writable_root else ["--remount-ro", "/"]),
