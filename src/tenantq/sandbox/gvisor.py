@@ -273,7 +273,8 @@ class GVisorSandbox(HostSandbox):
                                       overlay=self.spec.writable_root)
         running = start_process(self, runsc, None, kill, new_session=True, kind=GVisorRunning)
         self._proc, self._running = running.proc, cid
-        self.update_meta(container=cid, host_pid=running.proc.pid)
+        if self.spec.writable_root:  # only an API sandbox is adopted by another process (connect)
+            self.update_meta(container=cid, host_pid=running.proc.pid)
         return running
 
     def _live(self) -> str | None:

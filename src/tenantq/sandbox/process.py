@@ -178,7 +178,8 @@ class ProcessSandbox(HostSandbox):
         finally:
             os.close(filter_fd)
         self._proc = running.proc
-        self.update_meta(host_pid=running.proc.pid)
+        if self.spec.writable_root:  # only an API sandbox is adopted by another process (connect)
+            self.update_meta(host_pid=running.proc.pid)
         return running
 
     def _kill_all(self) -> None:
