@@ -17,7 +17,7 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import JobSpec, Queue
-from tenantq.sandbox.driver import bwrap_works, runsc_works
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
 
 console = Console(width=150)
 APP = "bench.boundary_app"

@@ -32,11 +32,12 @@ from tenantq.egress.policy import EgressPolicy, parse_rules
 from tenantq.egress.proxy import AddressGuard, EgressHub
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.batch import SandboxExecutor
-from tenantq.sandbox.driver import SandboxDriver, bwrap_works, runsc_works
+from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox.drivers.gvisor import GVisorDriver
+from tenantq.sandbox.drivers.process import ProcessDriver
 from tenantq.sandbox.egress import EgressConfig
 from tenantq.sandbox.executor import EgressUsed, JobEnded, JobStarted
-from tenantq.sandbox.gvisor import GVisorDriver
-from tenantq.sandbox.process import ProcessDriver
 from tenantq.sandbox.warm import WarmPolicy
 from tenantq.store.model import Batch, ClaimedJob
 

@@ -29,11 +29,12 @@ from tenantq import JobSpec, Queue
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.batch import SandboxExecutor
-from tenantq.sandbox.driver import SandboxDriver, bwrap_works, runsc_works
-from tenantq.sandbox.gvisor import GVisorDriver
+from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox.drivers.gvisor import GVisorDriver
+from tenantq.sandbox.drivers.process import ProcessDriver
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import guest_python
-from tenantq.sandbox.process import ProcessDriver
 from tenantq.sandbox.spec import SandboxSpec
 from tenantq.sandbox.warm import WarmPolicy
 

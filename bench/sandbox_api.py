@@ -27,8 +27,8 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import Sandbox
-from tenantq.sandbox.driver import bwrap_works, runsc_works
-from tenantq.sandbox.pool import pool, wait_until_ready
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox.pool import pool, pool_key, wait_until_ready
 
 console = Console(width=150)
 HOSTED = [("hosted microVM SDK: create (published)", 179.0, 203.0),
@@ -82,7 +82,7 @@ def run(*, n: int = 100, fork_every: int = 1) -> dict[str, Any]:
                     sbx.delete()
                     # the pool refills in the background between takes; the wait is not timed
                     os.environ["TENANTQ_POOL_SIZE"] = "1"
-                    assert wait_until_ready(("base", d, 512, 1.0), 1, timeout=120)
+                    assert wait_until_ready(pool_key("base", d), 1, timeout=120)
                     t0 = time.perf_counter()
                     sbx = Sandbox.create(driver=d, ttl_seconds=120)
                     add(f"{d}: create from a non-empty pool", time.perf_counter() - t0)

@@ -27,6 +27,7 @@ from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
     from tenantq.queue import AsyncQueue, JobSpec, Queue
+    from tenantq.sandbox.aio import AsyncSandbox
     from tenantq.sandbox.api import Sandbox
 
 
@@ -42,6 +43,10 @@ def __getattr__(name: str) -> Any:
         from tenantq.sandbox.api import Sandbox
 
         return Sandbox
+    if name == "AsyncSandbox":
+        from tenantq.sandbox.aio import AsyncSandbox
+
+        return AsyncSandbox
     raise AttributeError(f"module 'tenantq' has no attribute {name!r}")
 
 __version__ = "0.1.0"
@@ -49,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "REGISTRY",
     "AsyncQueue",
+    "AsyncSandbox",
     "DatabaseUnavailable",
     "Handler",
     "InvalidInput",

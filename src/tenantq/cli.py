@@ -365,9 +365,9 @@ def db_stop() -> None:
 
 def _add_subcommands() -> None:
     from tenantq.cli_jobs import jobs
-    from tenantq.cli_sandbox import template
     from tenantq.cli_sandboxes import sandbox
     from tenantq.cli_schedule import schedule
+    from tenantq.cli_templates import template
     from tenantq.cli_tenant import kind, rates, tenant
     from tenantq.cli_worker import worker
 

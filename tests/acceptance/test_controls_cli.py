@@ -17,7 +17,7 @@ from psycopg import sql as pgsql
 import tenantq
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import JobSpec, Queue
-from tenantq.sandbox.driver import bwrap_works, runsc_works
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.store import jobs
 from tenantq.store.db import Database
 from tenantq.testing import drain, wait_until

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tenantq import JobSpec, Queue
-from tenantq.sandbox.driver import bwrap_works
+from tenantq.sandbox.drivers import bwrap_works
 from tenantq.store.db import Database
 from tests.acceptance.helpers import Cli, query
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tenantq.sandbox.driver import bwrap_works, runsc_works
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.store.db import Database
 from tests.conftest import ROOT
 

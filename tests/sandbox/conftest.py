@@ -27,10 +27,11 @@ import pytest
 
 from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
-from tenantq.sandbox.driver import Sandbox, SandboxDriver, bwrap_works, runsc_works
-from tenantq.sandbox.gvisor import GVisorDriver
+from tenantq.sandbox.driver import Sandbox, SandboxDriver
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox.drivers.gvisor import GVisorDriver
+from tenantq.sandbox.drivers.process import ProcessDriver
 from tenantq.sandbox.layout import guest_python
-from tenantq.sandbox.process import ProcessDriver
 from tenantq.sandbox.spec import SandboxSpec
 from tenantq.store.db import Database
 from tenantq.testing import wait_until

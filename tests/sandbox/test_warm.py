@@ -22,8 +22,8 @@ import tests.apps.warm  # noqa: F401  (registers the warm.* handlers in this pro
 from tenantq.registry import REGISTRY, Registry
 from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.executor import JobEnded, JobStarted
-from tenantq.sandbox.gvisor import GVisorDriver
 from tenantq.sandbox.warm import GuestServer, WarmPolicy
 from tenantq.store.model import Batch, ClaimedJob
 from tenantq.testing import wait_until

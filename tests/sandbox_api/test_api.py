@@ -202,7 +202,7 @@ def test_fork_children_start_from_the_parent_and_never_touch_it(driver_name: str
     ({"memory_mb": 1}, "memory_mb must be an integer from 64"),
     ({"cpus": float("inf")}, "cpus must be a positive finite number"),
     ({"driver": "teleport"}, "unknown sandbox driver 'teleport'"),
-    ({"egress": ["api.example.com"]}, "egress rules for Sandbox API sandboxes are not built yet"),
+    ({"egress": ["http://api.example.com/path"]}, "egress rule"),
 ])
 def test_bad_create_arguments_get_one_line_errors(kwargs: dict[str, object], message: str,
                                                   data_dir: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tenantq import InvalidInput, Sandbox
 from tenantq.sandbox.api import SandboxNotFound, remove_sandbox
-from tenantq.sandbox.driver import get_driver
+from tenantq.sandbox.drivers import get_driver
 from tenantq.testing import wait_until
 from tests.sandbox.conftest import processes_mentioning
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tenantq import Sandbox
-from tenantq.sandbox.pool import pool, wait_until_ready
+from tenantq.sandbox.pool import pool, pool_key, wait_until_ready
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def pooled(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
 def test_create_hands_out_a_pristine_pooled_sandbox_and_never_takes_it_back(
         pooled: int, driver_name: str) -> None:
-    key = ("base", driver_name, 512, 1.0)
+    key = pool_key("base", driver_name)
     first = Sandbox.create(driver=driver_name, ttl_seconds=60)  # cold: the pool of its kind starts filling
     assert wait_until_ready(key, pooled, timeout=120)
     assert [i.id for i in Sandbox.list()] == [first.id]  # waiting sandboxes belong to nobody

@@ -36,7 +36,7 @@ from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import InvalidInput
 from tenantq.registry import REGISTRY, load_app
 from tenantq.sandbox.batch import SandboxExecutor
-from tenantq.sandbox.driver import get_driver
+from tenantq.sandbox.drivers import get_driver
 from tenantq.sandbox.egress import EgressConfig
 from tenantq.sandbox.executor import BatchExecutor
 from tenantq.sandbox.inline import InlineExecutor

@@ -12,6 +12,8 @@ It takes frames on stdin and answers on stdout (guest/protocol.py framing):
     {"op": "quiesce", "rid": r}                 before a checkpoint: flush, reply, then stay silent
     {"op": "resume", "forget": bool}            after the restore: speak again (a fork child
                                                 forgets its parent's commands, and reseeds)
+    {"op": "egress", "rid": r}                  the host listens on /tenantq/egress/proxy.sock:
+                                                forward loopback to it, HTTP(S)_PROXY for later execs
 
     {"event": "ready", "pid": p}
     {"event": "started", "id": n, "pid": p} | {"event": "exit", "id": n, "error": "..."}
@@ -130,6 +132,7 @@ class Agent:
         self.deadline: float | None = None
         self.next_deadline_check = 0.0
         self.env = dict(os.environ)
+        self.egress_url: str | None = None
         self.commands: dict[tuple[int, int], Command] = {}
         self.by_pid: dict[int, Command] = {}
         self.clients: list[Client] = [Client(0, 1)]
@@ -184,6 +187,8 @@ class Agent:
             client.say({"event": "reply", "rid": frame.get("rid"), **agent_files.handle(frame)})
         elif op == "env":
             self.env.update({str(k): str(v) for k, v in dict(frame.get("env") or {}).items()})
+        elif op == "egress":
+            client.say({"event": "reply", "rid": frame.get("rid"), "ok": self.start_egress()})
         elif op == "quiesce":
             client.say({"event": "reply", "rid": frame.get("rid"), "ok": True})
             self.flush_all()
@@ -192,6 +197,19 @@ class Agent:
             self.quiet = False
             if frame.get("forget"):
                 self.forget()
+
+    def start_egress(self) -> bool:
+        """Once per sandbox (a fork child's forwarder came with its memory and
+        reaches the child's own socket: the path is the child's mount)."""
+        from tenantq.guest import egress
+
+        if self.egress_url is None:
+            self.egress_url = egress.install()
+        if self.egress_url is not None:
+            self.env.update({n: os.environ[n] for n in egress.PROXY_VARS + egress.CA_VARS if n in os.environ})
+            for name in ("NO_PROXY", "no_proxy"):
+                self.env.pop(name, None)
+        return self.egress_url is not None
 
     def forget(self) -> None:
         """A fork child: the parent's commands and connections are not ours."""

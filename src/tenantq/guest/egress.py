@@ -22,6 +22,8 @@ SOCKET_PATH = "/tenantq/egress/proxy.sock"
 # with this tenant's CA, so it is the only CA the batch's TLS clients trust
 CA_PATH = "/tenantq/egress/ca.pem"
 CHUNK = 65536
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy")
+CA_VARS = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE")
 
 
 def _relay(client: socket.socket) -> None:
@@ -66,11 +68,11 @@ def install() -> str | None:
     listener.listen(64)
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     threading.Thread(target=_serve, args=(listener,), name="egress", daemon=True).start()
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for name in PROXY_VARS:
         os.environ[name] = url
     for name in ("NO_PROXY", "no_proxy"):
         os.environ.pop(name, None)
     if os.path.exists(CA_PATH):
-        for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"):
+        for name in CA_VARS:
             os.environ[name] = CA_PATH
     return url

@@ -25,22 +25,26 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tenantq.errors import InvalidInput, TenantqError
 from tenantq.sandbox.agent_link import AgentLink, SandboxGone
 from tenantq.sandbox.attach import SandboxInfo, SandboxNotFound
 from tenantq.sandbox.commands import CommandHandle, ExecResult
-from tenantq.sandbox.driver import SandboxDriver, get_driver
+from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.drivers import get_driver
 from tenantq.sandbox.files import Filesystem
 from tenantq.sandbox.hostside import HostSandbox, Running, read_meta
-from tenantq.sandbox.layout import GUEST_EGRESS_DIR, guest_python
 from tenantq.sandbox.spec import SandboxSpec
+
+if TYPE_CHECKING:
+    from tenantq.egress.policy import Rule
+    from tenantq.egress.proxy import BatchProxy, EgressHub
+    from tenantq.sandbox.templates import Resolved
 
 API_LABEL = "tenantq.api"
 # a sandbox waiting in the ready pool: no owner yet, not listed
 POOLED_LABEL = "tenantq.pooled"
-TEMPLATES = ("base",)
 MAX_TTL_SECONDS = 7 * 24 * 3600.0
 DEFAULT_OUTPUT_CAP = 1 << 20
 MAX_OUTPUT_CAP = 64 << 20
@@ -99,6 +103,9 @@ class Sandbox:
         self._watchdog: subprocess.Popen[bytes] | None = None
         # how long the last fork took (sandbox/forking.py)
         self.last_fork: Any = None
+        # the hosts it may reach (sandbox/api_egress.py), and their proxy
+        self.egress: tuple[Rule, ...] = ()
+        self._proxy: tuple[BatchProxy, EgressHub] | None = None
 
     # -- making one ----------------------------------------------------------------
 
@@ -113,8 +120,6 @@ class Sandbox:
         still around; `timeout_seconds`: every exec's default timeout;
         `envs` are in every exec's environment, and so are `secrets`, which
         are never written to disk (they go over the agent's channel)."""
-        if template not in TEMPLATES:
-            raise InvalidInput(f"unknown template {template!r}: the templates are {', '.join(TEMPLATES)}")
         ttl = _positive("ttl_seconds", ttl_seconds, most=MAX_TTL_SECONDS)
         timeout = _positive("timeout_seconds", timeout_seconds, most=MAX_TTL_SECONDS)
         labels = _strings("metadata", metadata, NAME)
@@ -127,50 +132,59 @@ class Sandbox:
         if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not 64 <= memory_mb <= 65536:
             raise InvalidInput(f"memory_mb must be an integer from 64 to 65536, got {memory_mb!r}")
         _positive("cpus", cpus, most=64)
-        if egress:
-            raise NotSupported("egress rules for Sandbox API sandboxes are not built yet: "
-                               "an API sandbox has no network")
+        from tenantq.sandbox import api_egress
+
+        allowed = api_egress.rules(egress)
+        from tenantq.sandbox import templates
         from tenantq.settings import Settings
 
-        chosen, _ = get_driver(driver or "auto", Settings().data_dir)
+        data_dir = Settings().data_dir
+        chosen, _ = get_driver(driver or "auto", data_dir)
+        # an unknown name is a one-line error; a layer not built yet (the
+        # code-interpreter's first use) is built now, once per host
+        resolved = templates.resolve(data_dir, template)
         reap_now_and_then(chosen)
-        from tenantq.sandbox.pool import POOLED_TTL_SECONDS, pool
+        from tenantq.sandbox.pool import POOLED_TTL_SECONDS, pool, pool_key
 
         def pooled() -> Sandbox:
-            return cls._boot_new(chosen, template, POOLED_TTL_SECONDS, {POOLED_LABEL: "1"}, None,
+            return cls._boot_new(chosen, resolved, POOLED_TTL_SECONDS, {POOLED_LABEL: "1"}, None,
                                  memory_mb, float(cpus), {}, {}, timeout)
 
-        ready = pool().take((template, chosen.name, memory_mb, float(cpus)), pooled)
+        ready = pool().take(pool_key(template, chosen.name, memory_mb, cpus), pooled)
         if ready is not None:
             ready._hand_out(ttl=ttl, metadata=labels, tenant=tenant, env={**env, **secret_env},
                             timeout=timeout)
-            return ready
-        return cls._boot_new(chosen, template, ttl, {f"meta.{k}": v for k, v in labels.items()}, tenant,
-                             memory_mb, float(cpus), env, secret_env, timeout)
+            made = ready
+        else:
+            made = cls._boot_new(chosen, resolved, ttl, {f"meta.{k}": v for k, v in labels.items()}, tenant,
+                                 memory_mb, float(cpus), env, secret_env, timeout)
+        try:
+            made._start_egress(allowed)
+        except BaseException:
+            made.delete()
+            raise
+        return made
 
     @classmethod
-    def _boot_new(cls, chosen: SandboxDriver, template: str, ttl: float, labels: dict[str, str],
+    def _boot_new(cls, chosen: SandboxDriver, resolved: Resolved, ttl: float, labels: dict[str, str],
                   tenant: str | None, memory_mb: int, cpus: float, env: dict[str, str],
                   secret_env: dict[str, str], timeout: float) -> Sandbox:
-        python = guest_python(None)
-        spec = SandboxSpec(tenant=tenant or "", memory_mb=memory_mb, cpus=cpus, ttl_seconds=ttl,
-                           mounts=python.mounts, writable_root=True, labels={API_LABEL: template, **labels})
-        host = chosen.create(spec)
-        assert isinstance(host, HostSandbox)
-        try:
-            running = cls._boot(host, python.executable, python.sys_path, env)
-            link = AgentLink(running.channel)
-            link.wait_ready(BOOT_SECONDS)
-            if secret_env:
-                link.send({"op": "env", "env": secret_env})
-        except BaseException:
-            host.destroy()
-            raise
-        metadata = {k[5:]: v for k, v in labels.items() if k.startswith("meta.")}
-        sandbox = cls(host, running, link, chosen, template=template, metadata=metadata,
-                      timeout_seconds=timeout)
-        sandbox.watch()
-        return sandbox
+        from tenantq.sandbox import boot
+
+        spec = boot.template_spec(resolved, tenant=tenant or "", memory_mb=memory_mb, cpus=cpus, ttl=ttl,
+                                  labels={API_LABEL: resolved.name, **labels})
+        return boot.boot(cls, chosen, resolved, spec, env=env, secret_env=secret_env, timeout=timeout)
+
+    def _start_egress(self, allowed: tuple[Rule, ...]) -> None:
+        """Open the sandbox's egress proxy and have the agent point later
+        commands at it (nothing when `allowed` is empty: no network)."""
+        if not allowed:
+            return
+        from tenantq.sandbox import api_egress
+
+        self._proxy = api_egress.open_proxy(self._host, self.tenant, allowed)
+        self.egress = allowed
+        self._link.request({"op": "egress"}, BOOT_SECONDS)
 
     def watch(self) -> None:
         """Start the host-side TTL watchdog (sandbox/watchdog.py)."""
@@ -221,13 +235,6 @@ class Sandbox:
     def close(self) -> None:
         """Let go of the sandbox without ending it (it lives to its TTL)."""
         self._link.close()
-
-    @staticmethod
-    def _boot(host: HostSandbox, python: str, sys_path: Sequence[str], env: Mapping[str, str]) -> Running:
-        # self_limiting: the agent is init and ends the sandbox at the
-        # deadline itself (a `timeout` wrapper could not be extended by set_ttl)
-        argv = [python, "-m", "tenantq.guest.agent", "--deadline-file", f"{GUEST_EGRESS_DIR}/deadline"]
-        return host.start(list(argv), env={**env, "PYTHONPATH": ":".join(sys_path)}, self_limiting=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -325,6 +332,9 @@ class Sandbox:
         False when it was already gone."""
         was = not self._host.destroyed
         self._link.close("the sandbox was deleted")
+        if self._proxy is not None:
+            (proxy, hub), self._proxy = self._proxy, None
+            hub.close(proxy)
         _stop_watchdog(self._host, self._watchdog)
         self._host.destroy()
         if self._running is not None:

@@ -111,6 +111,7 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
             _answered(child_link)
             child = Sandbox(child_host, running, child_link, driver, template=parent.template,
                             metadata=dict(parent.metadata), timeout_seconds=parent.default_timeout)
+            child._start_egress(parent.egress)  # its own proxy, the parent's rules
             child.watch()
             children[index] = child
         except BaseException as exc:

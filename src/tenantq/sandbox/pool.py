@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tenantq.sandbox.api import Sandbox
 
-PoolKey = tuple[str, str, int, float]  # template, driver, memory_mb, cpus
+# template@build (a redefined template never hands out a sandbox of its
+# previous definition), driver, memory_mb, cpus
+PoolKey = tuple[str, str, int, float]
 # a pooled sandbox's own TTL, renewed while it waits; a hand-out needs this much left
 POOLED_TTL_SECONDS = 600.0
 RENEW_BELOW_SECONDS = 300.0
@@ -128,6 +130,15 @@ def pool() -> ReadyPool:
             _pool.append(ReadyPool(0))
         _pool[0].size = Settings().pool_size
         return _pool[0]
+
+
+def pool_key(template: str, driver: str, memory_mb: int = 512, cpus: float = 1.0) -> PoolKey:
+    """The pool of sandboxes `Sandbox.create(template=..., driver=..., ...)` takes from."""
+    from tenantq.sandbox import templates
+    from tenantq.settings import Settings
+
+    resolved = templates.resolve(Settings().data_dir, template)
+    return (f"{template}@{resolved.key}", driver, memory_mb, float(cpus))
 
 
 def wait_until_ready(key: PoolKey, count: int, timeout: float) -> bool:

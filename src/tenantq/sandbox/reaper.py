@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tenantq.sandbox.driver import bwrap_works, runsc_works
+from tenantq.sandbox.drivers import bwrap_works, runsc_works
 
 
 def reap_sandboxes(data_dir: Path) -> list[str]:
-    from tenantq.sandbox.gvisor import GVisorDriver
-    from tenantq.sandbox.process import ProcessDriver
+    from tenantq.sandbox.drivers.gvisor import GVisorDriver
+    from tenantq.sandbox.drivers.process import ProcessDriver
     from tenantq.sandbox.snapshots import SnapshotStore
 
     gone: list[str] = []

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
         except (KeyError, ValueError):
             remaining = 0.0
         if remaining <= 0:
-            from tenantq.sandbox.driver import get_driver
+            from tenantq.sandbox.drivers import get_driver
 
             driver, _ = get_driver(driver_name, Path(data_dir))
             driver.adopt(sandbox_id, path, meta).destroy()  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ its deadline. (Not `--die-with-parent`: that follows the *thread* that
 started bwrap, and a kept-warm sandbox outlives the worker slot that made it.)
 
 What it adds for a hostile job (docs/security.md, rule P2): a seccomp filter
-(sandbox/seccomp.py: no ptrace or process_vm_*, no namespaces or mounts),
+(sandbox/drivers/seccomp.py: no ptrace or process_vm_*, no namespaces or mounts),
 `--disable-userns` (no nested user namespace, even if the filter had a
 gap), and `--as-pid-1` so the guest runner is the sandbox's init: no bwrap
 process inside holds the control channel's pipes. Jobs share the runner's
@@ -28,9 +28,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tenantq.sandbox import cgroups, seccomp
+from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
+from tenantq.sandbox.drivers import seccomp
 from tenantq.sandbox.hostside import (
     HostSandbox,
     Running,
