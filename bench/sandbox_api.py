@@ -27,7 +27,9 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import Sandbox
-from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox import boot, templates
+from tenantq.sandbox.api import API_LABEL
+from tenantq.sandbox.drivers import bwrap_works, get_driver, runsc_works
 from tenantq.sandbox.pool import pool, pool_key, wait_until_ready
 
 console = Console(width=150)
@@ -67,6 +69,8 @@ def run(*, n: int = 100, fork_every: int = 1) -> dict[str, Any]:
         runsc_root.mkdir()
         os.environ["TENANTQ_POOL_SIZE"] = "1"  # these creates also start each driver's pool
         parents = {d: Sandbox.create(driver=d, ttl_seconds=3600) for d in drivers if d == "gvisor"}
+        chosen = {d: get_driver(d, Path(scratch))[0] for d in drivers}
+        base = templates.resolve(Path(scratch), "base")
         warm = {d: Sandbox.create(driver=d, ttl_seconds=3600) for d in drivers}
         try:
             for i in range(n):
@@ -74,12 +78,24 @@ def run(*, n: int = 100, fork_every: int = 1) -> dict[str, Any]:
                     add("runsc do true", _timed(lambda: _runsc_do(runsc_root)))
                 for d in drivers:
                     os.environ["TENANTQ_POOL_SIZE"] = "0"
+                    # no pool: under gVisor a restore of the template's checkpoint,
+                    # under bubblewrap a boot (it has no checkpoints)
+                    how = "restore" if d == "gvisor" else "cold boot"
                     t0 = time.perf_counter()
                     sbx = Sandbox.create(driver=d, ttl_seconds=120)
-                    add(f"{d}: create (cold)", time.perf_counter() - t0)
+                    add(f"{d}: create, no pool ({how})", time.perf_counter() - t0)
                     assert sbx.run("true").ok
-                    add(f"{d}: create (cold) + first exec(true)", time.perf_counter() - t0)
+                    add(f"{d}: create, no pool ({how}) + first exec(true)", time.perf_counter() - t0)
                     sbx.delete()
+                    if d == "gvisor":  # what the checkpoint saves: a boot without one
+                        t0 = time.perf_counter()
+                        sbx = boot._cold(Sandbox, chosen[d], base, boot.template_spec(
+                            base, tenant="", memory_mb=512, cpus=1.0, ttl=120, labels={API_LABEL: "base"}),
+                            env={}, timeout=60)
+                        add(f"{d}: cold boot (no checkpoint)", time.perf_counter() - t0)
+                        assert sbx.run("true").ok
+                        add(f"{d}: cold boot (no checkpoint) + first exec(true)", time.perf_counter() - t0)
+                        sbx.delete()
                     # the pool refills in the background between takes; the wait is not timed
                     os.environ["TENANTQ_POOL_SIZE"] = "1"
                     assert wait_until_ready(pool_key("base", d), 1, timeout=120)

@@ -244,8 +244,8 @@ def verdict(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
-def run(*, total: int = 3_000_000, rate: float = 2_500.0, interval: float = 30.0, workers: int = 2,
-        tenants: int = 20, warmup: int = 20, compare: bool = True, compare_total: int = 500_000,
+def run(*, total: int = 2_000_000, rate: float = 1_500.0, interval: float = 30.0, workers: int = 2,
+        tenants: int = 20, warmup: int = 20, compare: bool = True, compare_total: int = 300_000,
         plot: bool = True, probes: int = PROBES) -> dict[str, Any]:
     """`compare_total`: the jobs of the run without retention (its table
     only grows; a shorter run shows it)."""

@@ -36,6 +36,7 @@ import contextlib
 import os
 import random
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -51,6 +52,20 @@ READ_CHUNK = 64 << 10
 # output (they block writing) until the host catches up
 OUTBOX_LIMIT = 8 << 20
 DEADLINE_CHECK_SECONDS = 1.0
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, 1024))
+
+
+def _inheritable(fd: int) -> bool:
+    try:
+        return os.get_inheritable(fd)
+    except OSError:
+        return False
 
 
 @dataclass
@@ -248,8 +263,38 @@ class Agent:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
+        pid = self.spawn(argv, env, cwd, in_r, out_w, err_w)
+        for fd in (out_w, err_w, in_r):
+            os.close(fd)
+        for fd in (out_r, err_r, in_w):
+            os.set_blocking(fd, False)
+        command = Command(command_id, pid, client, {out_r: 1, err_r: 2}, int(frame.get("cap", 1 << 20)), in_w)
+        command.pending_stdin += stdin_data
+        command.close_stdin = not keep_stdin
+        self.commands[(id(client), command_id)] = command
+        self.by_pid[pid] = command
+        client.say({"event": "started", "id": command_id, "pid": pid})
+        self.write_stdin(command)
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: object, in_r: int, out_w: int,
+              err_w: int) -> int:
+        """The command, in its own session (a kill reaches all it starts).
+        posix_spawn (a vfork: the agent's memory is not copied, which under
+        gVisor's ptrace platform is most of an exec's cost) where it can;
+        a fork for a cwd (3.11's posix_spawn has no chdir) or when the spawn
+        fails (the child then reports the error as a shell would)."""
+        path = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH", os.defpath))
+        if path is not None and not cwd:
+            # fds the agent holds that a command must not: everything
+            # inheritable above 2 (Python opens its own fds close-on-exec)
+            keep_out = [fd for fd in _open_fds() if fd > 2 and _inheritable(fd)]
+            actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
+                       (os.POSIX_SPAWN_DUP2, err_w, 2), *((os.POSIX_SPAWN_CLOSE, fd) for fd in keep_out)]
+            with contextlib.suppress(OSError):
+                return os.posix_spawn(path, argv, env, file_actions=actions, setsid=True,
+                                      setsigdef=(signal.SIGPIPE, signal.SIGCHLD))
         pid = os.fork()
-        if pid == 0:  # the command: its own session, so a kill reaches all it starts
+        if pid == 0:
             try:
                 os.setsid()
                 os.dup2(in_r, 0)
@@ -267,17 +312,7 @@ class Agent:
                 os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
             finally:
                 os._exit(127)
-        for fd in (out_w, err_w, in_r):
-            os.close(fd)
-        for fd in (out_r, err_r, in_w):
-            os.set_blocking(fd, False)
-        command = Command(command_id, pid, client, {out_r: 1, err_r: 2}, int(frame.get("cap", 1 << 20)), in_w)
-        command.pending_stdin += stdin_data
-        command.close_stdin = not keep_stdin
-        self.commands[(id(client), command_id)] = command
-        self.by_pid[pid] = command
-        client.say({"event": "started", "id": command_id, "pid": pid})
-        self.write_stdin(command)
+        return pid
 
     def feed(self, client: Client, frame: dict[str, Any]) -> None:
         command = self.commands.get((id(client), int(frame.get("id", -1))))
