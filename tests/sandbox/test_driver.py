@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tenantq.sandbox import gvisor, process
+from tenantq.sandbox.drivers import gvisor, process
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR, SandboxDriver
 from tenantq.sandbox.layout import GUEST_UID, guest_python
