@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tenantq.sandbox.drivers import gvisor, process
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR, SandboxDriver
+from tenantq.sandbox.drivers import gvisor, process
 from tenantq.sandbox.layout import GUEST_UID, guest_python
 from tenantq.sandbox.spec import TAIL_BYTES, ExecResult, Mount, SandboxSpec
 from tenantq.testing import wait_until
