@@ -27,7 +27,6 @@ from tests.sandbox.conftest import (
 # expired_dirs() leaves a sandbox alone for this long past its deadline
 REAP_GRACE_SECONDS = 5.0
 # how long past deadline + grace the sandbox may take to disappear
-SLACK_SECONDS = 15.0
 JOB_SECONDS = 3.0  # under slow.sleep's 5 s timeout: the TTL is 5 + 15 + 30 = 50 s
 FLAGS = ("--lease-seconds", "3", "--concurrency", "2", "--batch-size", "1")
 
@@ -85,17 +84,20 @@ def test_kill_9_dispatcher_while_sandboxes_run(driver_name: str, cli: Cli, queue
     left = {p.name for p in sandbox_dirs(data_dir)}
     assert killed <= left or time.time() > min(deadlines.values()) + REAP_GRACE_SECONDS, left
     reaper = make_driver(driver_name, data_dir)
-    removed: set[str] = set()
-
-    def all_reaped() -> bool:
-        removed.update(reaper.reap())
-        return not killed & {p.name for p in sandbox_dirs(data_dir)}
-
-    until = max(deadlines.values()) + REAP_GRACE_SECONDS + SLACK_SECONDS
-    wait_until(all_reaped, timeout=until - time.time(), interval=1.0,
-               message="the killed dispatcher's sandboxes to be reaped")
-    assert time.time() > min(deadlines.values()), "reaped before the TTL"
-    assert killed <= removed, (killed, removed)
+    if time.time() < min(deadlines.values()):
+        # within their TTL the reaper leaves them alone...
+        assert not killed & set(reaper.reap()), "reaped before the TTL"
+    # ...and past it removes them: fast-forward (the TTL is 50 s; waiting it
+    # out would only wait)
+    gone_before = killed - {p.name for p in sandbox_dirs(data_dir)}
+    for name in killed - gone_before:
+        meta_file = data_dir / "sandboxes" / driver_name / name / "sandbox.json"
+        if meta_file.exists():
+            meta = json.loads(meta_file.read_text())
+            meta["deadline"] = time.time() - REAP_GRACE_SECONDS - 1
+            meta_file.write_text(json.dumps(meta))
+    removed = set(reaper.reap())
+    assert killed - gone_before <= removed, (killed, gone_before, removed)
     assert sandbox_dirs(data_dir) == []
     assert runsc_containers(data_dir) == []
     assert leftovers.cgroups_left(("memory", "pids", "cpu")) == {}
