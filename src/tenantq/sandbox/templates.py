@@ -28,7 +28,6 @@ no secrets and no envs, which every create adds afterwards.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
@@ -39,14 +38,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.hostside import META_FILE
 from tenantq.sandbox.layout import guest_python
-from tenantq.sandbox.snapshots import _DIGESTS
+from tenantq.sandbox.snapshots import _DIGESTS, _flock
 from tenantq.sandbox.spec import Mount
 
 BUILTIN = ("base", "code-interpreter")
@@ -167,17 +165,6 @@ def _layer_key(defn: TemplateDef, under: str) -> str:
     parts = {"requirements": defn.requirements, "python": sys.version, "under": under,
              "warmup": defn.warmup, "code": defn.code_digest}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _build_layer(layer: Path, defn: TemplateDef) -> None:
