@@ -13,12 +13,55 @@ job of the next batch in the same sandbox, must see none of it."""
 from __future__ import annotations
 
 import random
+import socket
+import urllib.request
 import uuid
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from tenantq.testing import wait_until
 from tests.adversarial.harness import Arena
 
-WARM = ("--concurrency", "2", "--batch-size", "2", "--keep-warm", "30")
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+METRICS_PORT = _free_port()
+WARM = ("--concurrency", "2", "--batch-size", "2", "--keep-warm", "30", "--metrics-port", str(METRICS_PORT))
+
+
+def _sandboxes_in_use() -> float:
+    """Sandboxes batches took (`tenantq_sandbox_starts_total`, at acquire)
+    minus those they gave back (`tenantq_sandbox_destroy_seconds_count`,
+    observed once a batch's sandbox is kept warm or destroyed)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return float("nan")  # not serving (yet): never "none in use"
+    taken = given = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tenantq_sandbox_starts_total":
+                taken += sample.value
+            elif sample.name == "tenantq_sandbox_destroy_seconds_count":
+                given += sample.value
+    return taken - given
+
+
+def wait_kept_warm() -> None:
+    """Before the next batch: every batch so far has given its sandbox back.
+    A job's `done` is written before its batch ends (the guest still cleans
+    up after it, slowly for scratch built to defeat the cleaner), so without
+    this a second slot can take the tenant's next batch into a fresh sandbox
+    while the used one is still cleaning: then the reuse the checks below
+    rely on did not happen (a precondition, not a promise)."""
+    wait_until(lambda: _sandboxes_in_use() == 0, timeout=90, interval=0.05,
+               message="every batch's sandbox to be given back (kept warm)")
 
 
 def check_clean(arena: Arena, job_id: int, when: str) -> None:
@@ -59,6 +102,7 @@ def test_nothing_of_a_job_survives_into_the_next_job_or_batch(arena: Arena) -> N
         ids["leave"], ids["same_batch"] = a.attack_batch(("adv.leave", spec), ("adv.look", spec))
 
     def next_batch(a: Arena) -> None:
+        wait_kept_warm()
         ids["next_batch"], = a.attack_batch(("adv.look", spec))
         a.sibling(1)
 
@@ -95,6 +139,7 @@ def test_scratch_built_to_defeat_the_cleaner_is_still_emptied(arena: Arena) -> N
                                                                     ("adv.look", spec))
 
         def next_batch(a: Arena, name: str = name) -> None:
+            wait_kept_warm()
             ids[name, "next"], = a.attack_batch(("adv.look", spec))
 
         stages += [first_batch, next_batch]

@@ -29,7 +29,8 @@ checks the host marker, the host's files and the processes itself.
    after the timeout changes nothing), and a bystander sandbox of the same
    process never notices. A forged exit *before* the timeout is the guest's
    claim (rule S1): it is reported as a note, not failed.
-3. floods: 500 MB on stdout and 50 MB on stderr, 100 MB on both at once, binary
+3. floods: 200 MB on stdout (twice the host side's memory-growth limit,
+   200 times the cap) and 50 MB on stderr, 100 MB on both at once, binary
    output, 100,000 two-byte writes, a tiny cap, an orphan holding the pipes,
    and a background flood while other execs run.
 4. TTL: commands write/chmod/rename the deadline file, ptrace the agent, start
@@ -932,16 +933,16 @@ def attack_floods(h: Host, driver: str) -> None:
             return None
         return out.value
 
-    r = run("500 MB stdout, then 50 MB stderr",
-            "yes tqadv-flood-line | head -c 500000000; yes tqadv-err | head -c 50000000 >&2")
+    r = run("200 MB stdout, then 50 MB stderr",
+            "yes tqadv-flood-line | head -c 200000000; yes tqadv-err | head -c 50000000 >&2")
     if r is not None:
-        h.expect(r.ok, f"500 MB flood: reason {r.reason!r}")
+        h.expect(r.ok, f"200 MB flood: reason {r.reason!r}")
         h.expect(r.stdout == ("tqadv-flood-line\n" * 70000)[:DEFAULT_CAP] and r.stdout_truncated,
-                 f"500 MB flood: stdout kept {len(r.stdout)} chars, truncated={r.stdout_truncated} "
+                 f"200 MB flood: stdout kept {len(r.stdout)} chars, truncated={r.stdout_truncated} "
                  f"(want the first {DEFAULT_CAP} bytes and the flag)")
         h.expect(r.stderr == ("tqadv-err\n" * 120000)[:DEFAULT_CAP] and r.stderr_truncated,
                  f"50 MB stderr: kept {len(r.stderr)} chars, truncated={r.stderr_truncated}")
-    h.check_memory("500 MB flood")
+    h.check_memory("200 MB flood")
     r = run("100 MB on both streams at once",
             "(yes e | head -c 100000000 >&2) & yes o | head -c 100000000; wait")
     if r is not None:
