@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # imported where used: `tenantq --help` or `status` need none
     from tenantq.sandbox.executor import BatchExecutor
     from tenantq.sandbox.warm import WarmPolicy
     from tenantq.secrets import SecretsProvider
+    from tenantq.tenant_data import AppDatabase
 
 APP_HELP = ("Module that registers the handlers: a dotted module importable from the current directory "
             "(put on sys.path) or PYTHONPATH, e.g. myapp.jobs for ./myapp/jobs.py; a file path or "
@@ -17,7 +18,8 @@ APP_HELP = ("Module that registers the handlers: a dotted module importable from
 
 
 def make_executor(app: str, sandbox: str, policy: WarmPolicy,
-                  secrets: SecretsProvider | None = None, *, work_mb: int = 128) -> BatchExecutor:
+                  secrets: SecretsProvider | None = None, *, work_mb: int = 128,
+                  app_db: AppDatabase | None = None) -> BatchExecutor:
     """The executor `tenantq worker --app APP --sandbox NAME` runs batches on.
 
     APP is imported here (see `load_app` for the forms it takes), so a broken
@@ -32,7 +34,8 @@ def make_executor(app: str, sandbox: str, policy: WarmPolicy,
     log = logging.getLogger("tenantq.worker")
     if sandbox == "inline":
         log.warning("--sandbox inline: every kind runs inside this process; use it for trusted code only")
-        return InlineExecutor(REGISTRY)
+        return InlineExecutor(REGISTRY, app_db=app_db)
     driver, chosen = get_driver(sandbox, Settings().data_dir)
     log.info("%s", chosen)
-    return SandboxExecutor(driver, REGISTRY, module, policy=policy, secrets=secrets, work_mb=work_mb)
+    return SandboxExecutor(driver, REGISTRY, module, policy=policy, secrets=secrets, work_mb=work_mb,
+                           app_db=app_db)

@@ -56,12 +56,18 @@ from tenantq.errors import TenantqError
               help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
 @click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
               help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
+@click.option("--app-db", "app_db_url", default=None, metavar="URL",
+              help="The application's database for inline handlers' ctx.db(), tenant-scoped "
+                   "(default: TENANTQ_APP_DATABASE_URL).")
+@click.option("--app-db-role", default=None, metavar="ROLE",
+              help="SET LOCAL ROLE in every ctx.db() transaction (a role without BYPASSRLS).")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
            on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
            snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
-           hibernate_after: float | None, work_mb: int) -> None:
+           hibernate_after: float | None, work_mb: int, app_db_url: str | None,
+           app_db_role: str | None) -> None:
     """Run jobs: lease batches fairly, run them, settle every job.
 
     \b
@@ -87,6 +93,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.sandbox.warm import WarmPolicy
     from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
     from tenantq.settings import Settings
+    from tenantq.tenant_data import AppDatabase
 
     chosen_format = configure_logs(log_format)
     logging.getLogger("tenantq.worker").addFilter(_StatsOnce())
@@ -101,24 +108,30 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     with Queue() as q:
         db_ = q.db
     db_.check()
-    executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb)
-    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
-                          poll_seconds=poll_seconds, once=once,
-                          backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
-                          fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
-                          interactive_share=interactive_share)
-    w = Worker(db_, executor, config, secrets=secrets.for_tenant,
-               alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
-    if metrics_port is not None:
-        serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
-    _install_signal_handlers(w.stop)
-    progress = None
-    if chosen_format == "text" and sys.stderr.isatty():
-        progress = ProgressLine(lambda: _progress(w), w.stopping)
-        progress.start()
-    stats = w.run()
-    if progress is not None:
-        progress.join(timeout=2)  # it clears its line first, so it cannot erase the stats line
+    app_db_config = Settings().app_database(app_db_url, app_db_role)
+    app_db = AppDatabase(app_db_config).open() if app_db_config is not None else None
+    try:
+        executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb, app_db=app_db)
+        config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
+                              poll_seconds=poll_seconds, once=once,
+                              backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
+                              fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
+                              interactive_share=interactive_share)
+        w = Worker(db_, executor, config, secrets=secrets.for_tenant,
+                   alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
+        if metrics_port is not None:
+            serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
+        _install_signal_handlers(w.stop)
+        progress = None
+        if chosen_format == "text" and sys.stderr.isatty():
+            progress = ProgressLine(lambda: _progress(w), w.stopping)
+            progress.start()
+        stats = w.run()
+        if progress is not None:
+            progress.join(timeout=2)  # it clears its line first, so it cannot erase the stats line
+    finally:
+        if app_db is not None:
+            app_db.close()
     click.echo(json.dumps({"worker": config.worker_id, **stats.snapshot()}), err=True)
     if w.failed:
         # the worker stopped itself because it could not carry on: non-zero exit, one line saying why

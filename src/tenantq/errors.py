@@ -25,3 +25,7 @@ class DatabaseUnavailable(TenantqError):
 
 class WaitTimeout(TenantqError, TimeoutError):
     """`Queue.wait` gave up: the job had not ended within the timeout."""
+
+
+class NoAppDatabase(TenantqError):
+    """`ctx.db()` on a worker without an application database, or in a sandbox."""

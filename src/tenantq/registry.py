@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from tenantq.egress.policy import Rule, parse_rules
-from tenantq.errors import InvalidInput, TenantqError
+from tenantq.errors import InvalidInput, NoAppDatabase, TenantqError
 from tenantq.store import validation
 
 Isolation = Literal["sandbox", "inline"]
@@ -65,6 +65,21 @@ class JobContext:
     actor: str | None = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     cancelled: Cancellation = field(default_factory=Cancellation)
+    # the worker's application database (tenantq.tenant_data.AppDatabase)
+    # for inline handlers; None in a sandbox, which never holds a connection
+    database: Any = field(default=None, repr=False)
+
+    def db(self) -> Any:
+        """`with ctx.db() as conn:` (or `async with`): a connection to the
+        application's database in a transaction scoped to this job's tenant
+        and actor (docs/tenant-data.md). Raises NoAppDatabase where there is none."""
+        if self.database is None:
+            raise NoAppDatabase("ctx.db(): this worker has no application database (set "
+                                "TENANTQ_APP_DATABASE_URL or start it with --app-db URL); sandboxed "
+                                "code never gets a database connection")
+        from tenantq.tenant_data import TenantDb
+
+        return TenantDb(self.database, self.tenant, self.actor)
 
 
 HandlerFunc = Callable[[Any, JobContext], Any]

@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import platformdirs
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from tenantq.tenant_data import AppDatabaseConfig
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -66,6 +70,20 @@ class Settings(BaseSettings):
                     "process that has created one of that kind; 0 turns the pool off.",
     )
 
+    # ctx.db(): the application's database (tenant_data.py, docs/tenant-data.md)
+    app_database_url: str | None = Field(
+        default=None, description="The application's database for inline handlers' ctx.db() "
+                                  "(worker --app-db overrides it); unset: ctx.db() raises.")
+    app_db_role: str | None = Field(default=None,
+                                    description="SET LOCAL ROLE for every ctx.db() transaction.")
+    app_db_tenant_setting: str = Field(default="app.current_tenant_id",
+                                       description="The setting ctx.db() sets to the job's tenant.")
+    app_db_actor_setting: str = Field(default="app.current_actor",
+                                      description="The setting ctx.db() sets to the job's actor "
+                                                  "('' when none).")
+    app_db_pool_size: int = Field(default=10, ge=1, le=1000,
+                                  description="Connections the worker's ctx.db() pool may hold.")
+
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")
     retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")
@@ -78,6 +96,18 @@ class Settings(BaseSettings):
         return {"done": duration(self.retain_done, "TENANTQ_RETAIN_DONE"),
                 "cancelled": duration(self.retain_cancelled, "TENANTQ_RETAIN_CANCELLED"),
                 "dead": duration(self.retain_dead, "TENANTQ_RETAIN_DEAD")}
+
+    def app_database(self, url: str | None = None, role: str | None = None) -> AppDatabaseConfig | None:
+        """The ctx.db() configuration (`url`/`role` from the command line
+        win), or None without a URL; InvalidInput, one line, when bad."""
+        from tenantq.tenant_data import AppDatabaseConfig
+
+        chosen = url or self.app_database_url
+        if not chosen:
+            return None
+        return AppDatabaseConfig(url=chosen, role=role or self.app_db_role,
+                                 tenant_setting=self.app_db_tenant_setting,
+                                 actor_setting=self.app_db_actor_setting, pool_size=self.app_db_pool_size)
 
     def egress_networks(self) -> list[str]:
         return [n.strip() for n in self.egress_allow_networks.split(",") if n.strip()]

@@ -19,6 +19,7 @@ from tenantq.queue import Queue
 from tenantq.registry import REGISTRY, Registry
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
+from tenantq.tenant_data import AppDatabase
 
 T = TypeVar("T")
 
@@ -30,17 +31,19 @@ def drain(
     concurrency: int = 1,
     batch_size: int = 10,
     backoff: Backoff | None = None,
+    app_db: AppDatabase | None = None,
 ) -> WorkerStats:
     """Run every runnable job inline until none is left, then return.
 
     Retries are scheduled with `backoff` (default: no delay at all, so a
     failing job is retried within the same drain until it is dead).
+    `app_db`: an open `tenantq.tenant_data.AppDatabase` for handlers' `ctx.db()`.
     """
     config = WorkerConfig(
         concurrency=concurrency, batch_size=batch_size, once=True,
         backoff=backoff or Backoff(base_seconds=0.0, cap_seconds=0.0),
     )
-    return Worker(db, InlineExecutor(registry or REGISTRY), config).run()
+    return Worker(db, InlineExecutor(registry or REGISTRY, app_db=app_db), config).run()
 
 
 def wait_until(

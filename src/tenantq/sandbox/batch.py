@@ -38,6 +38,7 @@ from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
 from tenantq.sandbox.warm import GuestServer, WarmPolicy, WarmStarts
 from tenantq.secrets import SecretsProvider
 from tenantq.store.model import Batch, ClaimedJob
+from tenantq.tenant_data import AppDatabase
 
 log = logging.getLogger("tenantq.sandbox")
 
@@ -55,13 +56,15 @@ class SandboxExecutor:
     def __init__(self, driver: SandboxDriver, registry: Registry, app_module: str, *,
                  policy: WarmPolicy | None = None, egress: EgressConfig | None = None,
                  secrets: SecretsProvider | None = None,
-                 tmp_mb: int = 64, work_mb: int = 128, max_pids: int = 512, cpus: float = 1.0) -> None:
+                 tmp_mb: int = 64, work_mb: int = 128, max_pids: int = 512, cpus: float = 1.0,
+                 app_db: AppDatabase | None = None) -> None:
         self.driver = driver
         self.name = driver.name
         self.registry = registry
         self.app_module = app_module
         self.guest: GuestPython = guest_python(app_module)
-        self.inline = InlineExecutor(registry)
+        # kinds registered isolation='inline' run here, and only they get ctx.db()
+        self.inline = InlineExecutor(registry, app_db=app_db)
         # the session running each job of a live batch, for cancel()
         self._sessions: dict[int, BatchSession] = {}
         self._sessions_lock = threading.Lock()

@@ -7,10 +7,14 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from tenantq.registry import Cancellation, JobContext, Registry
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.store.model import Batch
+
+if TYPE_CHECKING:
+    from tenantq.tenant_data import AppDatabase
 
 TRACEBACK_LINES = 12
 
@@ -22,8 +26,10 @@ class WarmupFailed(RuntimeError):
 class InlineExecutor:
     name = "inline"
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, *, app_db: AppDatabase | None = None) -> None:
         self.registry = registry
+        # ctx.db(): the application's database, tenant-scoped (tenant_data.py)
+        self.app_db = app_db
         self._warmed: set[str] = set()
         self._warm_lock = threading.Lock()
         # cancel requests (dispatch/cancels.py): the running jobs' flags,
@@ -113,7 +119,8 @@ class InlineExecutor:
                 continue
             ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
                              kind=job.kind, max_attempts=job.max_attempts, env=dict(env),
-                             actor=job.actor, meta=dict(job.meta or {}), cancelled=flag)
+                             actor=job.actor, meta=dict(job.meta or {}), cancelled=flag,
+                             database=self.app_db)
             try:
                 result = handler.call(job.payload, ctx)
             except Exception as exc:
