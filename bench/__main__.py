@@ -39,14 +39,14 @@ SMALL: dict[str, dict[str, Any]] = {
     "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300, "plot": False},
     "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},
     "egress": {"n": 20, "setups": 5},
-    "warm": {"n": 2, "jobs_per_size": {1: 4, 10: 20}},
+    "warm": {"n": 1, "jobs_per_size": {1: 2}},
     "boundary": {"drivers": ("process",)},
     "producer": {"transactions": 20, "waits": 5, "waiters": 20},
     "soak": {"total": 6_000, "rate": 3_000.0, "interval": 1.0, "workers": 1, "warmup": 0, "compare": False,
              "probes": 20,
              "plot": False},
     "sandbox-api": {"n": 2},
-    "chaos": {"jobs": 100, "kills": 2, "postgres_restart": False, "healthy_jobs": 4, "waves": 2},
+    "chaos": {"jobs": 60, "kills": 1, "postgres_restart": False, "healthy_jobs": 4, "waves": 1},
 }
 
 
