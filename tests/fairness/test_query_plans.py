@@ -7,12 +7,17 @@ indexes."""
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql as pgsql
 from psycopg.sql import Composed
 
 from tenantq.store.db import Database
+from tenantq.store.migrate import migrate
 from tenantq.store.queries import composed, sql
 
 
@@ -60,10 +65,19 @@ def _scans(nodes: list[dict[str, Any]], relation: str) -> list[tuple[str, str | 
     return [(n["Node Type"], n.get("Index Name")) for n in nodes if n.get("Relation Name") == relation]
 
 
-@pytest.fixture
-def seeded(db: Database) -> Database:
-    _seed(db)
-    return db
+@pytest.fixture(scope="module")
+def seeded(server_dsn: str) -> Iterator[Database]:
+    """One seeded schema for the module (about 3 s to seed): every test only
+    EXPLAINs, none writes."""
+    db = Database(dsn=server_dsn, schema=f"tq_plans_{uuid.uuid4().hex[:10]}")
+    try:
+        migrate(db)
+        _seed(db)
+        _seed_attempts(db)
+        yield db
+    finally:
+        with psycopg.connect(server_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
 
 
 @pytest.mark.parametrize("kinds", [None, ["k"], ["other.kind", "k", "a.third"]])
@@ -124,7 +138,6 @@ def _seed_attempts(db: Database) -> None:
 @pytest.mark.parametrize(("tenant", "index"), [(None, "attempts_failures"),
                                                ("small", "attempts_failures_by_tenant")])
 def test_recent_failures_read_a_failures_index(seeded: Database, tenant: str | None, index: str) -> None:
-    _seed_attempts(seeded)
     nodes = _plan(seeded, sql("web", "recent_failures"), {"tenant_id": tenant, "limit": 20})
     scans = _scans(nodes, "attempts")
     assert scans == [("Index Scan", index)], scans  # newest first, straight off the index
@@ -132,7 +145,6 @@ def test_recent_failures_read_a_failures_index(seeded: Database, tenant: str | N
 
 
 def test_a_jobs_attempt_history_reads_the_primary_key(seeded: Database) -> None:
-    _seed_attempts(seeded)
     nodes = _plan(seeded, sql("jobs", "attempts_of"), {"tenant_id": "small", "id": 100, "limit": 100})
     assert all(kind != "Seq Scan" for kind, _ in _scans(nodes, "attempts")), nodes
     assert any(n.get("Index Name") == "attempts_pkey" for n in nodes), nodes
