@@ -17,6 +17,7 @@ from psycopg import sql as pgsql
 from tenantq import Queue
 from tenantq.store.db import Database
 from tenantq.store.migrate import migrate
+from tests.appdb import app_schema as app_schema  # the fixture, for every suite
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 from tenantq import builtins as builtins  # registers tenantq.python
 from tenantq.errors import (
     DatabaseUnavailable,
+    HostFunctionError,
     InvalidInput,
     JobNotFound,
     LeaseLost,
+    NoAppDatabase,
     TenantqError,
     WaitTimeout,
 )
+from tenantq.host_functions import HostContext, host_function
 from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, periodic, warmup
 from tenantq.store.model import JobInfo
 
@@ -57,12 +60,15 @@ __all__ = [
     "AsyncSandbox",
     "DatabaseUnavailable",
     "Handler",
+    "HostContext",
+    "HostFunctionError",
     "InvalidInput",
     "JobContext",
     "JobInfo",
     "JobNotFound",
     "JobSpec",
     "LeaseLost",
+    "NoAppDatabase",
     "Queue",
     "Registry",
     "Sandbox",
@@ -70,6 +76,7 @@ __all__ = [
     "WaitTimeout",
     "__version__",
     "handler",
+    "host_function",
     "periodic",
     "warmup",
 ]

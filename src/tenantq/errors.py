@@ -29,3 +29,7 @@ class WaitTimeout(TenantqError, TimeoutError):
 
 class NoAppDatabase(TenantqError):
     """`ctx.db()` on a worker without an application database, or in a sandbox."""
+
+
+class HostFunctionError(TenantqError):
+    """`ctx.call(name, args)` failed: refused, unknown, over a limit, or raised on the host."""

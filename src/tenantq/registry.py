@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from tenantq.egress.policy import Rule, parse_rules
-from tenantq.errors import InvalidInput, NoAppDatabase, TenantqError
+from tenantq.errors import HostFunctionError, InvalidInput, NoAppDatabase, TenantqError
 from tenantq.store import validation
 
 Isolation = Literal["sandbox", "inline"]
@@ -68,6 +68,17 @@ class JobContext:
     # the worker's application database (tenantq.tenant_data.AppDatabase)
     # for inline handlers; None in a sandbox, which never holds a connection
     database: Any = field(default=None, repr=False)
+    # (name, args) -> result of a host function (host_functions.py): in a
+    # sandbox a call over the batch's host-function socket, inline direct
+    caller: Callable[[str, dict[str, Any]], Any] | None = field(default=None, repr=False)
+
+    def call(self, name: str, args: dict[str, Any] | None = None) -> Any:
+        """Call the host function `name` (declared in this handler's
+        `host_functions=`) with a JSON object; its JSON result, or
+        HostFunctionError with a one-line reason (docs/tenant-data.md)."""
+        if self.caller is None:
+            raise HostFunctionError(f"ctx.call({name!r}): handler {self.kind!r} declares no host functions")
+        return self.caller(name, {} if args is None else args)
 
     def db(self) -> Any:
         """`with ctx.db() as conn:` (or `async with`): a connection to the
@@ -101,6 +112,8 @@ class Handler:
     # narrows the tenant's egress rules while this handler runs (never widens)
     egress: tuple[Rule, ...] | None = None
     process: Process = "job"
+    # the host functions its jobs may call (ctx.call), never others
+    host_functions: tuple[str, ...] = ()
 
     def call(self, payload: Any, ctx: JobContext) -> Any:
         """Run the handler: an `async def` one on an event loop of its own
@@ -136,6 +149,18 @@ class Registry:
         # warmup name -> the function when registered by decorator (None:
         # resolve "module:function" on first use), in registration order
         self._warmups: dict[str, Callable[[], Any] | None] = {}
+        # name -> tenantq.host_functions.HostFunction
+        self._host_functions: dict[str, Any] = {}
+
+    def add_host_function(self, function: Any) -> None:
+        existing = self._host_functions.get(function.name)
+        if existing is not None and existing.func is not function.func:
+            raise InvalidInput(f"host function {function.name!r} is already registered "
+                               f"({_name(existing.func)})")
+        self._host_functions[function.name] = function
+
+    def host_function(self, name: str) -> Any:
+        return self._host_functions.get(name)
 
     def add(self, handler: Handler) -> None:
         existing = self._handlers.get(handler.kind)
@@ -213,6 +238,7 @@ def handler(
     warmup: str | None = None,
     egress: list[str] | None = None,
     process: Process = "job",
+    host_functions: list[str] | None = None,
     registry: Registry | None = None,
 ) -> Callable[[F], F]:
     """Register `func(payload, ctx)` as the handler of `kind` (a plain
@@ -229,6 +255,8 @@ def handler(
     batch share one process (no fork per job: much faster under gVisor),
     trusting that one job's code does not tamper with the next ones of the
     same kind in its batch; the default, "job", gives every job a fresh one.
+    `host_functions=["orders.for_month"]`: the host functions
+    (`@tenantq.host_function`) its jobs may call with `ctx.call`.
     """
     validation.kind(kind)
     if timeout <= 0:
@@ -243,10 +271,13 @@ def handler(
         raise InvalidInput(f"handler {kind!r}: warmup must be 'module:function', got {warmup!r}")
 
     narrowed = None if egress is None else parse_rules(egress)
+    callable_names = tuple(dict.fromkeys(host_functions or ()))
+    for name in callable_names:
+        validation.kind(name, "host function name")
 
     def register(func: F) -> F:
         (registry or REGISTRY).add(Handler(kind, func, float(timeout), memory_mb, isolation, sandbox_only,
-                                           warmup, narrowed, process))
+                                           warmup, narrowed, process, callable_names))
         return func
 
     return register

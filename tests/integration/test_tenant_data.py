@@ -11,15 +11,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 import tenantq
 from tenantq import JobSpec, Queue
@@ -28,60 +25,7 @@ from tenantq.registry import Registry
 from tenantq.store.db import Database
 from tenantq.tenant_data import APPLICATION_NAME, AppDatabase, AppDatabaseConfig
 from tenantq.testing import drain
-
-ROWS = {"acme": [1, 2, 3], "globex": [10, 11]}
-
-
-@dataclass(frozen=True)
-class AppSchema:
-    schema: str
-    reader: str  # NOLOGIN, neither superuser nor owner: for SET LOCAL ROLE
-    login: str   # LOGIN, neither superuser nor owner: connects itself
-    superuser_url: str
-    login_url: str
-
-    def config(self, **kwargs: Any) -> AppDatabaseConfig:
-        return AppDatabaseConfig(**{"url": self.login_url, **kwargs})
-
-
-@pytest.fixture
-def app_schema(server_dsn: str) -> Iterator[AppSchema]:
-    """The app's orders table under RLS, in a schema and with roles of this
-    test's own (dropped afterwards)."""
-    tag = uuid.uuid4().hex[:10]
-    schema, reader, login = f"tqapp_{tag}", f"tqapp_reader_{tag}", f"tqapp_login_{tag}"
-    ident = sql.Identifier
-    with psycopg.connect(server_dsn, autocommit=True) as conn:
-        for statement in (
-            sql.SQL("CREATE SCHEMA {}").format(ident(schema)),
-            sql.SQL("CREATE TABLE {}.orders (id integer PRIMARY KEY, tenant_id text NOT NULL, "
-                    "amount integer NOT NULL)").format(ident(schema)),
-            sql.SQL("ALTER TABLE {}.orders ENABLE ROW LEVEL SECURITY").format(ident(schema)),
-            sql.SQL("ALTER TABLE {}.orders FORCE ROW LEVEL SECURITY").format(ident(schema)),
-            sql.SQL("CREATE POLICY tenant_rows ON {}.orders "
-                    "USING (tenant_id = current_setting('app.current_tenant_id', true)) "
-                    "WITH CHECK (tenant_id = current_setting('app.current_tenant_id', true))"
-                    ).format(ident(schema)),
-            sql.SQL("CREATE ROLE {} NOLOGIN").format(ident(reader)),
-            sql.SQL("CREATE ROLE {} LOGIN").format(ident(login)),
-        ):
-            conn.execute(statement)
-        for role in (reader, login):
-            conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(ident(schema), ident(role)))
-            conn.execute(sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}.orders TO {}").format(
-                ident(schema), ident(role)))
-        for tenant, ids in ROWS.items():
-            for order_id in ids:
-                conn.execute(sql.SQL("INSERT INTO {}.orders VALUES (%s, %s, %s)").format(ident(schema)),
-                             (order_id, tenant, order_id * 100))
-    try:
-        yield AppSchema(schema, reader, login, server_dsn, make_conninfo(server_dsn, user=login))
-    finally:
-        with psycopg.connect(server_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(ident(schema)))
-            for role in (reader, login):
-                conn.execute(sql.SQL("DROP OWNED BY {}").format(ident(role)))
-                conn.execute(sql.SQL("DROP ROLE {}").format(ident(role)))
+from tests.appdb import ROWS, AppSchema
 
 
 def _handlers(schema: str) -> Registry:

@@ -22,8 +22,10 @@ from types import FrameType
 from typing import Any
 
 from tenantq.guest.protocol import (
+    MAX_CALL_REQUEST_BYTES,
     MAX_JSON_DEPTH,
     MAX_RESULT_BYTES,
+    FrameError,
     FrameFile,
     encode,
     json_depth,
@@ -31,6 +33,8 @@ from tenantq.guest.protocol import (
 )
 
 TRACEBACK_LINES = 12
+# the batch's host-function socket (sandbox/host_calls.py), bound read-only by the host
+HOST_FUNCTIONS_SOCKET = "/tenantq/egress/hostfn.sock"
 RESULT_FD = 3
 COMMAND_FD = 4  # further jobs, for a handler with process="batch"
 WORK_DIR = "/tenantq/work"
@@ -104,7 +108,8 @@ def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, 
     ctx = JobContext(tenant=tenant, job_id=int(job["id"]), attempt=int(job["attempt"]), kind=handler.kind,
                      max_attempts=int(job["max_attempts"]), env=dict(env),
                      actor=actor if isinstance(actor, str) else None,
-                     meta=meta if isinstance(meta, dict) else {})
+                     meta=meta if isinstance(meta, dict) else {},
+                     caller=call_host if handler.host_functions else None)
     signal.signal(signal.SIGALRM, _on_alarm)
     limit = _address_space() + handler.memory_mb * 1024 * 1024
     try:
@@ -124,6 +129,37 @@ def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, 
                 "error": f"oom: exceeded {handler.memory_mb} MiB (MemoryError)\n{detail}"}
     except BaseException as exc:
         return {"ok": False, "reason": "exception", "error": describe(exc)}
+
+
+def call_host(name: str, args: dict[str, Any]) -> Any:
+    """ctx.call in a sandbox: one request frame on a fresh connection to the
+    host's socket, one reply frame. The host checks everything; this only
+    turns the reply into a value or a HostFunctionError."""
+    import socket
+
+    from tenantq.errors import HostFunctionError
+
+    try:
+        body = json.dumps({"name": name, "args": args}, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise HostFunctionError(f"ctx.call({name!r}): args are not JSON: {str(exc)[:200]}") from None
+    if len(body) > MAX_CALL_REQUEST_BYTES:
+        raise HostFunctionError(f"ctx.call({name!r}): a request of {len(body)} bytes exceeds "
+                                f"{MAX_CALL_REQUEST_BYTES} (the host refuses it)")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        try:
+            conn.connect(HOST_FUNCTIONS_SOCKET)
+            data = memoryview(b"%010d\n" % len(body) + body)
+            while data:  # MSG_NOSIGNAL: a host that hung up is an error here, not a SIGPIPE
+                data = data[conn.send(data, socket.MSG_NOSIGNAL):]
+            reply = FrameFile(conn.fileno()).read()
+        except (OSError, FrameError) as exc:
+            raise HostFunctionError(f"ctx.call({name!r}): the host's function socket: {exc}") from None
+    if reply is None:
+        raise HostFunctionError(f"ctx.call({name!r}): the host closed the connection without a reply")
+    if reply.get("ok") is True:
+        return reply.get("result")
+    raise HostFunctionError(str(reply.get("error", "failed"))[:2000])
 
 
 def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int | None,
@@ -181,7 +217,7 @@ def _storable(outcome: dict[str, Any]) -> dict[str, Any]:
 
 def load_result(data: bytes) -> dict[str, Any]:
     """The supervisor's view of what a job process wrote on its result pipe."""
-    from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, parse_header
+    from tenantq.guest.protocol import HEADER_BYTES, decode_body, parse_header
 
     length = parse_header(data[:HEADER_BYTES])
     if len(data) != HEADER_BYTES + length:

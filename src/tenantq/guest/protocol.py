@@ -39,6 +39,9 @@ MAX_FRAME_BYTES = (1 << 20) + (64 << 10)
 # results and payloads nest at most this deep (JSON decoders recurse)
 MAX_JSON_DEPTH = 64
 MAX_ERROR_CHARS = 4000
+# a ctx.call request (name and args as JSON): the host refuses larger ones
+# before reading them (sandbox/host_calls.py)
+MAX_CALL_REQUEST_BYTES = 64 << 10
 OUTPUT_TAIL_BYTES = 1024
 JOB_REASONS = ("exception", "timeout", "oom", "unknown_kind", "crashed", "unstorable", "cancelled")
 

@@ -52,6 +52,11 @@ JOB_OUTCOMES = Counter("tenantq_job_outcomes_total", "Settled attempts by outcom
                        ["priority", "outcome"], registry=REGISTRY)
 PRUNED = Counter("tenantq_pruned_jobs_total", "Finished jobs deleted by retention, by status.", ["status"],
                  registry=REGISTRY)
+HOST_FUNCTION_CALLS = Counter("tenantq_host_function_calls_total",
+                              "ctx.call of host functions by function and outcome (ok, error, refused).",
+                              ["function", "outcome"], registry=REGISTRY)
+HOST_FUNCTION_SECONDS = Histogram("tenantq_host_function_seconds", "Time a host function ran.", ["function"],
+                                  buckets=TIME_BUCKETS, registry=REGISTRY)
 DEAD_LETTERED = Counter("tenantq_dead_letter_total", "Jobs that reached dead.", ["priority"],
                         registry=REGISTRY)
 

@@ -25,11 +25,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from tenantq.host_functions import Caller, CallGate
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.egress import EgressConfig, EgressProxies
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
+from tenantq.sandbox.host_calls import SOCKET_NAME as HOST_CALLS_SOCKET
+from tenantq.sandbox.host_calls import CallServer
 from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import GuestPython, guest_python
 from tenantq.sandbox.session import BatchSession
@@ -177,9 +180,12 @@ class SandboxExecutor:
             for job_id in early:  # asked to stop while the sandbox was starting
                 session.cancel(job_id)
             proxy, guest_env = self.egress.open(server.sandbox, batch, session.running_now, env)
+            calls = self._host_calls(server, batch, session.running_now)
             try:
                 ended = session.run(batch, guest_env, spec.ttl_seconds, budget, should_stop)
             finally:
+                if calls is not None:
+                    calls.close()
                 if proxy is not None:
                     report(self.egress.close(proxy))
             if ended.fatal:
@@ -211,6 +217,22 @@ class SandboxExecutor:
             destroying = time.monotonic()
             self.warm.release(server, reusable=reusable)
             metrics.SANDBOX_DESTROY.labels(self.name).observe(time.monotonic() - destroying)
+
+    def _host_calls(self, server: GuestServer, batch: Batch,
+                    running_now: Callable[[], int | None]) -> CallServer | None:
+        """The batch's host-function socket, when a handler of its jobs
+        declares host functions (rule F1: the caller is the host's record of
+        the running job, never the guest's say)."""
+        jobs = {j.id: j for j in batch.jobs}
+        if not any((h := self.registry.get(j.kind)) is not None and h.host_functions for j in batch.jobs):
+            return None
+
+        def current() -> Caller | None:
+            job = jobs.get(running_now() or -1)
+            return None if job is None else Caller(job.id, job.kind, job.actor)
+
+        gate = CallGate(self.registry, batch.tenant_id, current, database=self.inline.app_db)
+        return CallServer(server.sandbox.egress_dir / HOST_CALLS_SOCKET, gate)
 
     def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:
         detail = f"{result.end.reason()}: {result.stderr.strip()[-300:]}"

@@ -9,9 +9,10 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from tenantq.host_functions import Caller, CallGate
 from tenantq.registry import Cancellation, JobContext, Registry
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
-from tenantq.store.model import Batch
+from tenantq.store.model import Batch, ClaimedJob
 
 if TYPE_CHECKING:
     from tenantq.tenant_data import AppDatabase
@@ -93,6 +94,10 @@ class InlineExecutor:
     def _run_jobs(self, batch: Batch, *, env: Mapping[str, str], report: Report,
                   should_stop: Callable[[], bool]) -> None:
         self._warm_up(sorted({j.kind for j in batch.jobs}))
+        running: list[ClaimedJob] = []
+        gate = CallGate(self.registry, batch.tenant_id,
+                        lambda: Caller(running[0].id, running[0].kind, running[0].actor) if running else None,
+                        database=self.app_db)
         for job in batch.jobs:
             if should_stop():
                 return
@@ -120,7 +125,9 @@ class InlineExecutor:
             ctx = JobContext(tenant=batch.tenant_id, job_id=job.id, attempt=job.attempt,
                              kind=job.kind, max_attempts=job.max_attempts, env=dict(env),
                              actor=job.actor, meta=dict(job.meta or {}), cancelled=flag,
-                             database=self.app_db)
+                             database=self.app_db,
+                             caller=gate.inline_caller() if handler.host_functions else None)
+            running[:] = [job]
             try:
                 result = handler.call(job.payload, ctx)
             except Exception as exc:
@@ -128,6 +135,7 @@ class InlineExecutor:
             else:
                 report(JobEnded(job.id, ok=True, result=result))
             finally:
+                running.clear()
                 with self._cancel_lock:
                     self._running.pop(job.id, None)
 

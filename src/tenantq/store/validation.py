@@ -69,10 +69,10 @@ def tenant_id(value: object) -> str:
     return value
 
 
-def kind(value: object) -> str:
+def kind(value: object, what: str = "kind") -> str:
     if not isinstance(value, str) or not KIND.fullmatch(value):
         raise InvalidInput(
-            f"kind {_shown(value)} is invalid: 1-200 characters of letters, digits and _ . : - "
+            f"{what} {_shown(value)} is invalid: 1-200 characters of letters, digits and _ . : - "
             "(starting with a letter or _)"
         )
     return value

@@ -1,0 +1,257 @@
+"""Host functions: trusted code the app registers, run in the dispatcher,
+called by handlers with `ctx.call(name, args)` (docs/tenant-data.md).
+
+    @tenantq.host_function("orders.for_month")
+    def orders_for_month(args, ctx):          # ctx: HostContext
+        with ctx.db() as conn:                # the job's tenant, fixed by the host
+            return conn.execute(...).fetchall()
+
+    @tenantq.handler("reports.monthly", host_functions=["orders.for_month"])
+    def monthly(payload, ctx):
+        return ctx.call("orders.for_month", {"month": 9})
+
+A sandboxed handler's call crosses to the host over a Unix socket that the
+host binds into that batch's sandbox only (`CallServer`, hostfn.sock next to
+the egress proxy's); an inline handler's call is made directly, through the
+same `CallGate`. Everything that arrives is hostile input (docs/security.md,
+rule F1): the gate answers every call from the host's own records, never
+from the guest's claims. The tenant and the actor are the batch's and the
+running job's (the host's bookkeeping, rule H2), not anything in the args;
+only the functions the running job's handler declares can be called; sizes,
+calls per batch, time per call and calls in flight are bounded (`CallLimits`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenantq.errors import HostFunctionError, InvalidInput, NoAppDatabase
+from tenantq.guest.protocol import MAX_CALL_REQUEST_BYTES, MAX_JSON_DEPTH, json_depth
+from tenantq.registry import REGISTRY, Registry
+from tenantq.store import validation
+
+MAX_RECORDED_CALLS = 100
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What one batch's calls may cost the host (stated in docs/tenant-data.md)."""
+
+    max_request_bytes: int = MAX_CALL_REQUEST_BYTES
+    max_response_bytes: int = 1 << 20
+    calls_per_batch: int = 1000
+    call_timeout: float = 10.0
+    in_flight_per_batch: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_response_bytes", "calls_per_batch", "in_flight_per_batch"):
+            if getattr(self, name) < 1:
+                raise InvalidInput(f"host function limit {name} must be at least 1")
+        if not 0 < self.call_timeout <= 3600:
+            raise InvalidInput(f"host function call_timeout must be in (0, 3600] s, "
+                               f"got {self.call_timeout:g}")
+
+
+@dataclass(frozen=True)
+class HostFunction:
+    name: str
+    func: Callable[[dict[str, Any], HostContext], Any]
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class HostContext:
+    """What a host function knows: set by the host from the batch and the
+    running job, never from the call's arguments."""
+
+    tenant: str
+    actor: str | None
+    job_id: int
+    kind: str
+    database: Any = field(default=None, repr=False)
+
+    def db(self) -> Any:
+        """The application's database in this tenant's context, a fresh
+        transaction per `with` (tenant_data.py): nothing a call sets on it
+        outlives the call."""
+        if self.database is None:
+            raise NoAppDatabase("ctx.db() in a host function: this worker has no application database "
+                                "(TENANTQ_APP_DATABASE_URL or --app-db)")
+        from tenantq.tenant_data import TenantDb
+
+        return TenantDb(self.database, self.tenant, self.actor)
+
+
+def host_function(name: str, *, timeout: float | None = None,
+                  registry: Registry | None = None) -> Callable[[Any], Any]:
+    """Register `func(args, ctx)` as the host function `name`."""
+    validation.kind(name, "host function name")
+    if timeout is not None and not 0 < timeout <= 3600:
+        raise InvalidInput(f"host function {name!r}: timeout must be in (0, 3600] s, got {timeout}")
+
+    def register(func: Any) -> Any:
+        (registry or REGISTRY).add_host_function(HostFunction(name, func, timeout))
+        return func
+
+    return register
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The job a call is made for, from the host's own records."""
+
+    job_id: int
+    kind: str
+    actor: str | None
+
+
+@dataclass
+class CallStats:
+    calls: int = 0
+    errors: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    recent: list[dict[str, Any]] = field(default_factory=list)
+
+
+# host functions run here, not on the thread that received the call, so a
+# call that overruns its timeout is answered while it runs on (it still
+# counts against its batch's in-flight bound until it returns)
+_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tenantq-hostfn")
+
+
+class CallGate:
+    """One batch's door to the host functions."""
+
+    def __init__(self, registry: Registry, tenant: str, current: Callable[[], Caller | None], *,
+                 database: Any = None, limits: CallLimits | None = None) -> None:
+        self.registry = registry
+        self.tenant = tenant
+        self.current = current
+        self.database = database
+        self.limits = limits or CallLimits()
+        self.stats = CallStats()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def call(self, name: object, args: object, request_bytes: int = 0) -> dict[str, Any]:
+        """A reply record: {"ok": true, "result": ...} or {"ok": false, "error": "..."}."""
+        shown = name if isinstance(name, str) and len(name) <= 200 else "?"
+        started = time.monotonic()
+        try:
+            result = self._call(name, args, request_bytes)
+        except HostFunctionError as exc:
+            return self._done(shown, "refused" if exc.args[0].startswith("refused") else "error",
+                              started, {"ok": False, "error": str(exc)})
+        return self._done(shown, "ok", started, {"ok": True, "result": result})
+
+    def refuse(self, reason: str) -> dict[str, Any]:
+        """A request that never got as far as a name (the server's checks)."""
+        return self._done("?", "refused", time.monotonic(), {"ok": False, "error": reason})
+
+    def _done(self, name: str, outcome: str, started: float, reply: dict[str, Any]) -> dict[str, Any]:
+        from tenantq.observe import metrics  # host only: `import tenantq` in a sandbox needs none of it
+
+        seconds = time.monotonic() - started
+        label = name if self.registry.host_function(name) is not None else "unknown"
+        metrics.HOST_FUNCTION_CALLS.labels(label, outcome).inc()
+        with self._lock:
+            self.stats.seconds += seconds
+            if outcome != "ok":
+                self.stats.errors += 1
+            if len(self.stats.recent) < MAX_RECORDED_CALLS:
+                self.stats.recent.append({"name": name, "outcome": outcome, "ms": round(seconds * 1000, 1)})
+        return reply
+
+    def _call(self, name: object, args: object, request_bytes: int) -> Any:
+        limits = self.limits
+        caller = self.current()
+        if caller is None:
+            raise HostFunctionError("refused: no job of this batch is running")
+        if not isinstance(name, str) or len(name) > 200:
+            raise HostFunctionError("refused: the function name must be a string of at most 200 characters")
+        handler = self.registry.get(caller.kind)
+        if handler is None or name not in handler.host_functions:
+            raise HostFunctionError(f"refused: handler {caller.kind!r} does not declare host function "
+                                    f"{name!r}")
+        function: HostFunction | None = self.registry.host_function(name)
+        if function is None:
+            raise HostFunctionError(f"refused: no host function {name!r} is registered on this worker")
+        if not isinstance(args, dict):
+            raise HostFunctionError("refused: args must be a JSON object")
+        if request_bytes > limits.max_request_bytes:
+            raise HostFunctionError(f"refused: args of {request_bytes} bytes exceed "
+                                    f"{limits.max_request_bytes}")
+        with self._lock:
+            if self.stats.calls >= limits.calls_per_batch:
+                raise HostFunctionError(f"refused: this batch made its {limits.calls_per_batch} calls")
+            if self._in_flight >= limits.in_flight_per_batch:
+                raise HostFunctionError(f"refused: {limits.in_flight_per_batch} calls of this batch are "
+                                        "already running")
+            self.stats.calls += 1
+            self.stats.bytes_in += request_bytes
+            self._in_flight += 1
+        ctx = HostContext(self.tenant, caller.actor, caller.job_id, caller.kind, self.database)
+        future: Future[Any] = _POOL.submit(self._run, function, dict(args), ctx)
+        timeout = function.timeout or limits.call_timeout
+        try:
+            value = future.result(timeout=timeout)
+        except FutureTimeout:
+            raise HostFunctionError(f"{name}: no answer within {timeout:g} s") from None
+        except HostFunctionError:
+            raise
+        except Exception as exc:
+            raise HostFunctionError(f"{name} raised {type(exc).__name__}: {_one_line(exc)}") from None
+        try:
+            body = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise HostFunctionError(f"{name} returned something that is not JSON: {_one_line(exc)}") from None
+        if len(body) > limits.max_response_bytes:
+            raise HostFunctionError(f"{name} returned {len(body)} bytes; the limit is "
+                                    f"{limits.max_response_bytes}")
+        if json_depth(value) > MAX_JSON_DEPTH - 2:
+            raise HostFunctionError(f"{name} returned JSON nested more than {MAX_JSON_DEPTH - 2} levels deep")
+        with self._lock:
+            self.stats.bytes_out += len(body)
+        return json.loads(body)  # what the guest gets: the JSON, not the host's objects
+
+    def _run(self, function: HostFunction, args: dict[str, Any], ctx: HostContext) -> Any:
+        from tenantq.observe import metrics
+
+        started = time.monotonic()
+        try:
+            return function.func(args, ctx)
+        finally:
+            metrics.HOST_FUNCTION_SECONDS.labels(function.name).observe(time.monotonic() - started)
+            with self._lock:
+                self._in_flight -= 1
+
+    def inline_caller(self) -> Callable[[str, dict[str, Any]], Any]:
+        """ctx.call for an inline handler: the same gate, the same JSON."""
+
+        def call(name: str, args: dict[str, Any]) -> Any:
+            try:
+                request = json.dumps(args, allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise HostFunctionError(f"ctx.call({name!r}): args are not JSON: {_one_line(exc)}") from None
+            reply = self.call(name, json.loads(request), len(request))
+            if not reply["ok"]:
+                raise HostFunctionError(reply["error"])
+            return reply["result"]
+
+        return call
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:500]
+
+

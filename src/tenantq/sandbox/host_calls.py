@@ -1,0 +1,113 @@
+"""The host side of a sandboxed batch's `ctx.call`: a Unix socket in the
+sandbox's egress dir (bound read-only into that sandbox only, like the
+egress proxy's), served while the batch runs and closed, every connection
+cut, when it ends (docs/security.md, rule F1).
+
+On it, a job sends one request frame per connection (guest/protocol.py
+framing: ten digits, a newline, a JSON object `{"name": ..., "args": {...}}`)
+and reads one reply frame. The host reads at most the header and the
+announced length, refused past `CallLimits.max_request_bytes` before a byte
+of the body is read; each read has a deadline; connections are bounded; the
+gate (host_functions.py) decides everything else from the host's records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from pathlib import Path
+
+from tenantq.egress.proxy import bound_socket
+from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, encode
+from tenantq.host_functions import CallGate
+
+SOCKET_NAME = "hostfn.sock"
+READ_TIMEOUT_SECONDS = 10.0
+# connections open at once per batch, beyond the calls it may have in flight
+SPARE_CONNECTIONS = 4
+
+
+class CallServer:
+    def __init__(self, path: Path, gate: CallGate) -> None:
+        self.path = path
+        self.gate = gate
+        self._listener = bound_socket(path)
+        self._listener.setblocking(True)
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self._closed = False
+        self._max_open = gate.limits.in_flight_per_batch + SPARE_CONNECTIONS
+        self._thread = threading.Thread(target=self._accept, name="tenantq-hostfn-accept", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed or len(self._open) >= self._max_open:
+                    conn.close()  # over the bound: the guest sees its connection end
+                    continue
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="tenantq-hostfn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(READ_TIMEOUT_SECONDS)
+            reply = self._answer(conn)
+            if reply is not None:
+                conn.sendall(encode(reply))
+        except (OSError, FrameError):
+            pass
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket) -> dict[str, object] | None:
+        header = _exactly(conn, HEADER_BYTES)
+        if header is None:
+            return None
+        text = header[:-1]
+        if header[-1:] != b"\n" or not text.isdigit() or not text.isascii():
+            return self.gate.refuse("refused: a request is a frame: ten digits, a newline, a JSON object")
+        length = int(text)
+        limit = self.gate.limits.max_request_bytes
+        if length > limit:
+            return self.gate.refuse(f"refused: a request of {length} bytes exceeds {limit}")
+        body = _exactly(conn, length)
+        if body is None:
+            return None
+        try:
+            request = decode_body(body)
+        except FrameError as exc:
+            return self.gate.refuse(f"refused: {exc}")
+        return self.gate.call(request.get("name"), request.get("args"), length)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._open = list(self._open), set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+
+def _exactly(conn: socket.socket, count: int) -> bytes | None:
+    chunks: list[bytes] = []
+    while count:
+        chunk = conn.recv(min(count, 1 << 16))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        count -= len(chunk)
+    return b"".join(chunks)
