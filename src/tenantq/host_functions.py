@@ -59,6 +59,17 @@ class CallLimits:
                                f"got {self.call_timeout:g}")
 
 
+def limits_from_settings() -> CallLimits:
+    """The limits from TENANTQ_HOST_CALL* (settings.py)."""
+    from tenantq.settings import Settings
+
+    settings = Settings()
+    return CallLimits(max_request_bytes=settings.host_call_max_request_bytes,
+                      max_response_bytes=settings.host_call_max_response_bytes,
+                      calls_per_batch=settings.host_calls_per_batch, call_timeout=settings.host_call_timeout,
+                      in_flight_per_batch=settings.host_calls_in_flight)
+
+
 @dataclass(frozen=True)
 class HostFunction:
     name: str

@@ -84,6 +84,18 @@ class Settings(BaseSettings):
     app_db_pool_size: int = Field(default=10, ge=1, le=1000,
                                   description="Connections the worker's ctx.db() pool may hold.")
 
+    # host functions (host_functions.py, docs/tenant-data.md): per batch
+    host_call_timeout: float = Field(default=10.0, gt=0, le=3600,
+                                     description="Seconds a ctx.call waits for its host function.")
+    host_calls_per_batch: int = Field(default=1000, ge=1, le=1_000_000,
+                                      description="ctx.call calls a batch may make.")
+    host_calls_in_flight: int = Field(default=4, ge=1, le=64,
+                                      description="ctx.call calls of a batch running at once.")
+    host_call_max_request_bytes: int = Field(default=64 << 10, ge=1, le=64 << 10,
+                                             description="The largest ctx.call request (name and args).")
+    host_call_max_response_bytes: int = Field(default=1 << 20, ge=1, le=1 << 20,
+                                              description="The largest host function result (JSON).")
+
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")
     retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")

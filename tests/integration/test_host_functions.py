@@ -54,3 +54,11 @@ def test_bad_registrations_and_limits_are_one_line() -> None:
         tenantq.host_function("f", registry=reg)(lambda args, ctx: 2)
     with pytest.raises(InvalidInput, match=r"^host function limit calls_per_batch must be at least 1"):
         CallLimits(calls_per_batch=0)
+
+
+def test_the_limits_are_the_settings(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENANTQ_HOST_CALLS_PER_BATCH", "5")
+    with Queue(db.dsn, schema=db.schema) as q:
+        flood = q.enqueue("acme", "hostfn.flood", {"calls": 7})
+        drain(db, REGISTRY)
+        assert q.job(flood).result == {"ok": 5, "errors": ["refused: this batch made its 5 calls"]}

@@ -231,7 +231,8 @@ class SandboxExecutor:
             job = jobs.get(running_now() or -1)
             return None if job is None else Caller(job.id, job.kind, job.actor)
 
-        gate = CallGate(self.registry, batch.tenant_id, current, database=self.inline.app_db)
+        gate = CallGate(self.registry, batch.tenant_id, current, database=self.inline.app_db,
+                        limits=self.inline.call_limits)
         return CallServer(server.sandbox.egress_dir / HOST_CALLS_SOCKET, gate)
 
     def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:

@@ -9,7 +9,7 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from tenantq.host_functions import Caller, CallGate
+from tenantq.host_functions import Caller, CallGate, limits_from_settings
 from tenantq.registry import Cancellation, JobContext, Registry
 from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.store.model import Batch, ClaimedJob
@@ -31,6 +31,8 @@ class InlineExecutor:
         self.registry = registry
         # ctx.db(): the application's database, tenant-scoped (tenant_data.py)
         self.app_db = app_db
+        # ctx.call's bounds per batch, inline and sandboxed (TENANTQ_HOST_CALL*)
+        self.call_limits = limits_from_settings()
         self._warmed: set[str] = set()
         self._warm_lock = threading.Lock()
         # cancel requests (dispatch/cancels.py): the running jobs' flags,
@@ -97,7 +99,7 @@ class InlineExecutor:
         running: list[ClaimedJob] = []
         gate = CallGate(self.registry, batch.tenant_id,
                         lambda: Caller(running[0].id, running[0].kind, running[0].actor) if running else None,
-                        database=self.app_db)
+                        database=self.app_db, limits=self.call_limits)
         for job in batch.jobs:
             if should_stop():
                 return
