@@ -168,8 +168,9 @@ def test_the_pool_bounds_the_connections_however_many_slots_run(db: Database, ap
     def watch() -> None:
         with psycopg.connect(server_dsn, autocommit=True) as conn:
             while not stop.is_set():
-                row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
-                                   (APPLICATION_NAME,)).fetchone()
+                # this test's own pool: its login role (other tests' pools share the name)
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s "
+                                   "AND usename = %s", (APPLICATION_NAME, app_schema.login)).fetchone()
                 seen.append(int(row[0]) if row else 0)
                 stop.wait(0.01)  # the sampling interval, until the drain ends
 
