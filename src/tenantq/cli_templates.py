@@ -71,6 +71,7 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
         except (OSError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"cannot read --python-requirements {requirements}: {exc}") from None
     started = time.monotonic()
+    templates.check_name(name)  # before any path is made of it
     chosen, _ = get_driver(sandbox, _data_dir())
     existed = (templates.templates_dir(_data_dir()) / name / "template.json").exists()
     resolved, changed = templates.create(_data_dir(), name, base=base, requirements=text, warmup=warmup)

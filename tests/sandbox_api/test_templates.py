@@ -135,6 +135,17 @@ def test_a_failing_warmup_is_one_line_and_leaves_nothing(data_dir: Path, warm_mo
     (lambda d: templates.create(d, "x", warmup="not_here_at_all:f"), "cannot find the warmup's module"),
     (lambda d: templates.create(d, "x", requirements="no-such-package-tenantq-test==0.0.1\n"),
      "pip could not install its requirements"),
+    # pip would build a source tree (its backend runs on the host) or read a host file
+    (lambda d: templates.create(d, "x", requirements="-e /tmp\n"), "requirements line 1: '-e /tmp': options"),
+    (lambda d: templates.create(d, "x", requirements="numpy\n-r /etc/shadow\n"),
+     "requirements line 2: '-r /etc/shadow': options are not allowed"),
+    (lambda d: templates.create(d, "x", requirements="/tmp\n"),
+     "requirements line 1: '/tmp' is not a package"),
+    (lambda d: templates.create(d, "x", requirements="evil @ file:///tmp/evil\n"),
+     "a URL or path is not allowed"),
+    (lambda d: templates.create(d, "x", requirements="/tmp/none.whl\n"), "no such wheel file"),
+    (lambda d: templates.create(d, "x\n"), "a template name is"),
+    (lambda d: templates.create(d, "x" * 300), "a template name is"),
     (lambda d: templates.remove(d, "base"), "'base' is built in"),
     (lambda d: templates.remove(d, "nope"), "unknown template 'nope'"),
 ])

@@ -37,6 +37,10 @@ from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
 from tenantq.egress.tls import TenantCA, upstream_context
 
 HEADER_LIMIT = 64 * 1024
+# connections one proxy (one sandbox) holds open at once: past it a new one
+# is closed at once, so a guest cannot spend the host process's descriptors
+# (rule H3; found holding 20,000 of them without it)
+MAX_OPEN_STREAMS = 256
 HEADER_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 10.0
 MAX_RECORDED_BLOCKS = 50
@@ -82,6 +86,9 @@ class BatchProxy:
         self.streams: set[asyncio.StreamWriter] = set()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.streams) >= MAX_OPEN_STREAMS:
+            writer.close()
+            return
         self.streams.add(writer)
         try:
             await self._handle(reader, writer)

@@ -95,7 +95,7 @@ class Channel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ChannelTimeout("the guest did not take its input in time")
-            select.select([], [self.stdin_fd], [], min(remaining, 0.1))
+            wait_fd(self.stdin_fd, select.POLLOUT, min(remaining, 0.1))
             if not self.alive():
                 raise GuestGone("the guest exited")
 
@@ -123,4 +123,14 @@ class Channel:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ChannelTimeout("no frame from the guest in time")
-            select.select([self.stdout_fd], [], [], min(remaining, poll))
+            wait_fd(self.stdout_fd, select.POLLIN, min(remaining, poll))
+
+
+def wait_fd(fd: int, events: int, seconds: float) -> None:
+    """Wait until `fd` is ready for `events` (or `seconds` pass). poll, not
+    select: select cannot take a descriptor numbered 1024 or more, and a host
+    process holding many sandboxes (or a guest holding many of its proxy's
+    connections) gets there (rule H6)."""
+    poller = select.poll()
+    poller.register(fd, events)
+    poller.poll(max(0, int(seconds * 1000)))

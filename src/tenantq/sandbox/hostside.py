@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tenantq.sandbox.cgroups import CgroupBox
-from tenantq.sandbox.channel import Channel
+from tenantq.sandbox.channel import Channel, wait_fd
 from tenantq.sandbox.spec import TAIL_BYTES, End, ExecResult, SandboxSpec, classify_exit
 
 META_FILE = "sandbox.json"
@@ -165,7 +165,7 @@ class Running:
                 try:
                     view = view[os.write(self.proc.stdin.fileno(), view):]
                 except BlockingIOError:
-                    select.select([], [self.proc.stdin.fileno()], [], 0.1)
+                    wait_fd(self.proc.stdin.fileno(), select.POLLOUT, 0.1)
                     if not self.alive():
                         return False
         except (BrokenPipeError, ValueError, OSError):

@@ -50,8 +50,9 @@ from tenantq.sandbox.spec import Mount
 BUILTIN = ("base", "code-interpreter")
 # the stated set of code-interpreter (wheels only; pip picks this Python's)
 CODE_INTERPRETER_PACKAGES = ("numpy", "pandas")
-NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
-WARMUP = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+# matched whole (fullmatch: "$" would let a trailing newline through)
+NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+WARMUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
 PIP_TIMEOUT_SECONDS = 900.0
 # a sandbox's PATH (sandbox/drivers/gvisor.py, process.py BASE_ENV)
 GUEST_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -110,10 +111,42 @@ def templates_dir(data_dir: Path) -> Path:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise InvalidInput(f"a template name is 1-63 lowercase letters, digits or _ . - (starting with a "
                            f"letter or digit), got {name!r}")
     return name
+
+
+def check_requirements(text: str) -> None:
+    """Only named requirements from the index (`numpy>=2`, `pandas[xml]; python_version>"3.10"`)
+    and absolute paths of wheel files: no options (`-e`, `-r`, `-c`,
+    `--index-url`...), no other paths (source trees), no URLs. pip
+    builds a local source tree by running its build backend, on the host
+    and as root, whatever `--only-binary` says, and `-r FILE` reads a host
+    file; a template's inputs may come from a tenant."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split(" #", 1)[0].strip() if not raw.lstrip().startswith("#") else ""
+        if not line:
+            continue
+        shown = line[:80]
+        if line.endswith(".whl") and os.path.isabs(line):
+            # a wheel file the operator built: unpacked, never run, on the host
+            if not os.path.isfile(line):
+                raise InvalidInput(f"requirements line {number}: {shown!r}: no such wheel file")
+            continue
+        if line.startswith("-"):
+            raise InvalidInput(f"requirements line {number}: {shown!r}: options are not allowed, only "
+                               "package names with versions (wheels from the index)")
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            raise InvalidInput(f"requirements line {number}: {shown!r} is not a package name with an "
+                               "optional version (paths and URLs are not allowed)") from None
+        if requirement.url:
+            raise InvalidInput(f"requirements line {number}: {shown!r}: a URL or path is not allowed, "
+                               "only packages from the index")
 
 
 def definition(data_dir: Path, name: str) -> TemplateDef:
@@ -152,6 +185,21 @@ def _warmup_code(warmup: str | None) -> str | None:
     if warmup is None:
         return None
     top = warmup.split(":")[0].split(".")[0]
+    # looked up as `python -m` would: the current directory first (the
+    # installed `tenantq` script's sys.path does not have it)
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return _found(top)
+    finally:
+        if added:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(cwd)
+
+
+def _found(top: str) -> str | None:
     with contextlib.suppress(ImportError, ValueError):
         spec = importlib.util.find_spec(top)
         if spec is not None and spec.origin not in (None, "built-in", "frozen"):
@@ -168,8 +216,9 @@ def _layer_key(defn: TemplateDef, under: str) -> str:
 
 
 def _build_layer(layer: Path, defn: TemplateDef) -> None:
-    """pip installs the requirements into `layer`/site (wheels only: nothing
-    is compiled on the host for a template) and copies the warmup's code."""
+    """pip installs the requirements into `layer`/site (wheels from the index
+    only, `check_requirements`: nothing is built or run on the host for a
+    template) and copies the warmup's code."""
     with _flock(layer.parent / f".{layer.name}.lock"):
         if layer.is_dir():
             return
@@ -187,7 +236,8 @@ def _build_layer(layer: Path, defn: TemplateDef) -> None:
                     [sys.executable, "-m", "pip", "--python", guest, "install", "--quiet", "--no-input",
                      "--disable-pip-version-check", "--only-binary=:all:", "--target", str(staging / "site"),
                      "-r", str(requirements)],
-                    capture_output=True, text=True, timeout=PIP_TIMEOUT_SECONDS)
+                    # in the empty staging dir: no name can mean a directory here
+                    cwd=staging / "code", capture_output=True, text=True, timeout=PIP_TIMEOUT_SECONDS)
                 if done.returncode != 0:
                     why = (done.stderr.strip() or done.stdout.strip()).splitlines()
                     raise InvalidInput(f"template {defn.name!r}: pip could not install its requirements: "
@@ -253,7 +303,8 @@ def create(data_dir: Path, name: str, *, base: str = "base", requirements: str =
             len(requirements.encode()) > MAX_REQUIREMENTS_BYTES:
         raise InvalidInput(f"requirements must be text without NUL bytes, at most "
                            f"{MAX_REQUIREMENTS_BYTES} bytes")
-    if warmup is not None and not WARMUP.match(warmup):
+    check_requirements(requirements)
+    if warmup is not None and not WARMUP.fullmatch(warmup):
         raise InvalidInput(f"--warmup takes MODULE:FUNCTION, e.g. myapp.warm:load, got {warmup!r}")
     code = _warmup_code(warmup)
     if warmup is not None and code is None and not requirements.strip():
