@@ -153,12 +153,16 @@ class CallGate:
         self._lock = threading.Lock()
         self._in_flight = 0
 
-    def call(self, name: object, args: object, request_bytes: int = 0) -> dict[str, Any]:
-        """A reply record: {"ok": true, "result": ...} or {"ok": false, "error": "..."}."""
+    def call(self, name: object, args: object, request_bytes: int = 0, *,
+             caller: Caller | bool | None = True) -> dict[str, Any]:
+        """A reply record: {"ok": true, "result": ...} or {"ok": false, "error": "..."}.
+        `caller`: the job the request belongs to, as the host recorded it when
+        the connection came (None: none was running); default: the job in
+        flight now."""
         shown = name if isinstance(name, str) and len(name) <= 200 else "?"
         started = time.monotonic()
         try:
-            result = self._call(name, args, request_bytes)
+            result = self._call(name, args, request_bytes, self.current() if caller is True else caller)
         except HostFunctionError as exc:
             return self._done(shown, "refused" if exc.args[0].startswith("refused") else "error",
                               started, {"ok": False, "error": str(exc)})
@@ -182,10 +186,9 @@ class CallGate:
                 self.stats.recent.append({"name": name, "outcome": outcome, "ms": round(seconds * 1000, 1)})
         return reply
 
-    def _call(self, name: object, args: object, request_bytes: int) -> Any:
+    def _call(self, name: object, args: object, request_bytes: int, caller: Caller | bool | None) -> Any:
         limits = self.limits
-        caller = self.current()
-        if caller is None:
+        if not isinstance(caller, Caller):
             raise HostFunctionError("refused: no job of this batch is running")
         if not isinstance(name, str) or len(name) > 200:
             raise HostFunctionError("refused: the function name must be a string of at most 200 characters")

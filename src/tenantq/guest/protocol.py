@@ -88,11 +88,20 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    # 1e400 is valid JSON text that Python reads as infinity
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:40]} is not a finite number")
+    return value
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
     """A frame body as a JSON object; FrameError for anything else (NaN and
-    Infinity included: they are not JSON, and not storable)."""
+    Infinity included, and numbers too large to be finite, like 1e400: they
+    are not storable, rule H4)."""
     try:
-        value = json.loads(body, parse_constant=_no_constants)
+        value = json.loads(body, parse_constant=_no_constants, parse_float=_finite)
     except (ValueError, RecursionError) as exc:
         raise FrameError(f"frame body is not JSON: {str(exc)[:100]}") from None
     if not isinstance(value, dict):

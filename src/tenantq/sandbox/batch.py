@@ -181,6 +181,8 @@ class SandboxExecutor:
                 session.cancel(job_id)
             proxy, guest_env = self.egress.open(server.sandbox, batch, session.running_now, env)
             calls = self._host_calls(server, batch, session.running_now)
+            if calls is not None:
+                session.on_job_end = calls.job_ended
             try:
                 ended = session.run(batch, guest_env, spec.ttl_seconds, budget, should_stop)
             finally:

@@ -9,18 +9,25 @@ and reads one reply frame. The host reads at most the header and the
 announced length, refused past `CallLimits.max_request_bytes` before a byte
 of the body is read; each read has a deadline; connections are bounded; the
 gate (host_functions.py) decides everything else from the host's records.
+
+A connection belongs to the job in flight when it was accepted: when a job
+ends (its processes are dead by then, rule C2) the session calls
+`job_ended()`, which closes every connection of that job and every one still
+waiting to be accepted, under the lock the accepting thread takes, so no
+request a job made can be answered as the next job of the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 from pathlib import Path
 
 from tenantq.egress.proxy import bound_socket
 from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, encode
-from tenantq.host_functions import CallGate
+from tenantq.host_functions import Caller, CallGate
 
 SOCKET_NAME = "hostfn.sock"
 READ_TIMEOUT_SECONDS = 10.0
@@ -32,42 +39,75 @@ class CallServer:
     def __init__(self, path: Path, gate: CallGate) -> None:
         self.path = path
         self.gate = gate
-        self._listener = bound_socket(path)
-        self._listener.setblocking(True)
+        self._listener = bound_socket(path)  # non-blocking: accepted only under the lock
         self._lock = threading.Lock()
-        self._open: set[socket.socket] = set()
+        # connection -> the generation (one per job) it was accepted in
+        self._open: dict[socket.socket, int] = {}
+        self._generation = 0
         self._closed = False
         self._max_open = gate.limits.in_flight_per_batch + SPARE_CONNECTIONS
         self._thread = threading.Thread(target=self._accept, name="tenantq-hostfn-accept", daemon=True)
         self._thread.start()
 
     def _accept(self) -> None:
+        poller = select.poll()
+        poller.register(self._listener, select.POLLIN)
         while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
+            poller.poll(200)
             with self._lock:
-                if self._closed or len(self._open) >= self._max_open:
+                if self._closed:
+                    return
+                try:
+                    conn, _ = self._listener.accept()
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if len(self._open) >= self._max_open:
                     conn.close()  # over the bound: the guest sees its connection end
                     continue
-                self._open.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="tenantq-hostfn", daemon=True).start()
+                generation = self._open[conn] = self._generation
+                # the job this connection belongs to, fixed now (H2)
+                caller = self.gate.current()
+            threading.Thread(target=self._serve, args=(conn, generation, caller), name="tenantq-hostfn",
+                             daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def job_ended(self) -> None:
+        """The running job ended: its connections, accepted or waiting, are cut."""
+        with self._lock:
+            self._generation += 1
+            stale = [conn for conn, generation in self._open.items() if generation != self._generation]
+            while True:
+                try:
+                    waiting, _ = self._listener.accept()
+                except OSError:  # BlockingIOError: none left
+                    break
+                stale.append(waiting)
+        for conn in stale:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            if conn not in self._open:
+                conn.close()
+
+    def _current(self, generation: int) -> bool:
+        with self._lock:
+            return generation == self._generation and not self._closed
+
+    def _serve(self, conn: socket.socket, generation: int, caller: Caller | None) -> None:
         try:
             conn.settimeout(READ_TIMEOUT_SECONDS)
-            reply = self._answer(conn)
+            reply = self._answer(conn, generation, caller)
             if reply is not None:
                 conn.sendall(encode(reply))
         except (OSError, FrameError):
             pass
         finally:
             with self._lock:
-                self._open.discard(conn)
+                self._open.pop(conn, None)
             conn.close()
 
-    def _answer(self, conn: socket.socket) -> dict[str, object] | None:
+    def _answer(self, conn: socket.socket, generation: int,
+                caller: Caller | None) -> dict[str, object] | None:
         header = _exactly(conn, HEADER_BYTES)
         if header is None:
             return None
@@ -85,12 +125,15 @@ class CallServer:
             request = decode_body(body)
         except FrameError as exc:
             return self.gate.refuse(f"refused: {exc}")
-        return self.gate.call(request.get("name"), request.get("args"), length)
+        if not self._current(generation):
+            # made by a job that has ended since (C2 killed its processes)
+            return self.gate.refuse("refused: the job that opened this connection has ended")
+        return self.gate.call(request.get("name"), request.get("args"), length, caller=caller)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            conns, self._open = list(self._open), set()
+            conns, self._open = list(self._open), {}
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()

@@ -79,6 +79,9 @@ class BatchSession:
         self._cancel_lock = threading.Lock()
         self._seq = -1
         self._skip: set[int] = set()
+        # called as each job ends (its processes are gone: rule C2), e.g. to
+        # cut the host-function connections it made (host_calls.py)
+        self.on_job_end: Callable[[], None] | None = None
 
     def cancel(self, job_id: int) -> None:
         """Stop a job of this batch: the one in flight gets a `cancel` frame
@@ -192,6 +195,8 @@ class BatchSession:
         # the host's clock, never the guest's (rule H4)
         seconds = max(0.0, time.monotonic() - self._t0)
         self.current = None
+        if self.on_job_end is not None:
+            self.on_job_end()
         self.report(JobEnded(event.job_id, ok=event.ok, result=event.result, error=event.error,
                              retryable=event.retryable, seconds=seconds))
 

@@ -298,6 +298,15 @@ def create(data_dir: Path, name: str, *, base: str = "base", requirements: str =
     check_name(base)
     if base == name:
         raise InvalidInput(f"template {name!r} cannot be built from itself")
+    ancestor: str | None = base
+    for _ in range(MAX_DEPTH):  # exists, and is not built (at any depth) from `name`: before any write
+        if ancestor is None or ancestor in BUILTIN:
+            break
+        if ancestor == name:
+            raise InvalidInput(f"template {name!r}: its `from` chain loops or is deeper than {MAX_DEPTH}")
+        ancestor = definition(data_dir, ancestor).base
+    else:
+        raise InvalidInput(f"template {name!r}: its `from` chain loops or is deeper than {MAX_DEPTH}")
     definition(data_dir, base)  # exists?
     if not isinstance(requirements, str) or "\0" in requirements or \
             len(requirements.encode()) > MAX_REQUIREMENTS_BYTES:
