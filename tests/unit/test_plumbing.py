@@ -51,3 +51,18 @@ def test_lease_book_lost_leases() -> None:
     assert book.is_lost(2) and not book.is_lost(3)
     book.remove(2)
     assert not book.is_lost(2)
+
+
+def test_the_test_command_runs_every_test_dir() -> None:
+    """`./run test` runs the suite as two lists of dirs side by side: a new
+    dir in neither would never run."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = (root / "run").read_text()
+    listed = [d for name in ("light", "heavy")
+              for d in re.search(rf"^\s*{name}=\(([^)]*)\)", script, re.M).group(1).split()]  # type: ignore[union-attr]
+    dirs = sorted(f"tests/{p.name}" for p in (root / "tests").iterdir()
+                  if p.is_dir() and any(p.glob("test_*.py")))
+    assert sorted(listed) == dirs, (listed, dirs)
