@@ -111,11 +111,18 @@ def test_output_is_whole_up_to_its_cap_and_truncation_is_marked(sbx: Sandbox) ->
     assert "".join(seen) == streamed.stdout == "line1\nline2\nline3\n"
 
 
+def within(condition: str, seconds: float = 10.0) -> str:
+    """A command that polls `condition` in the guest every 50 ms until it
+    holds (exit 0) or `seconds` pass (exit 1): a deadline, not a fixed sleep
+    (a python3 start under gVisor on a loaded host can take over 0.2 s)."""
+    return f"for i in $(seq {int(seconds / 0.05)}); do {condition} && exit 0; sleep 0.05; done; exit 1"
+
+
 def test_background_processes_live_on_and_can_be_killed(sbx: Sandbox) -> None:
     server = sbx.exec("python3 -c 'import time\nwhile True:\n open(\"/tmp/beat\",\"a\").write(\"x\")\n "
                       "time.sleep(0.05)'", background=True)
     assert isinstance(server.pid, int) and server.pid > 1
-    assert sbx.run("sleep 0.3; test -s /tmp/beat").ok  # it runs between execs
+    assert sbx.run(within("test -s /tmp/beat")).ok  # it runs between execs
     assert sbx.run(f"kill -0 {server.pid}").ok
     assert server.kill() is True
     ended = server.wait(timeout=10)
@@ -160,7 +167,7 @@ def test_fork_children_start_from_the_parent_and_never_touch_it(driver_name: str
         parent.filesystem.write("/state/who", "parent")
         counter = parent.exec("python3 -c 'import time\nn = 0\nwhile True:\n n += 1\n "
                               "open(\"/state/n\", \"w\").write(str(n))\n time.sleep(0.02)'", background=True)
-        assert parent.run("sleep 0.2; test -s /state/n").ok
+        assert parent.run(within("test -s /state/n")).ok
         children = parent.fork_many(2, ttl_seconds=60)
         try:
             assert parent.last_fork is not None and parent.last_fork.parent_paused_seconds > 0
@@ -171,7 +178,7 @@ def test_fork_children_start_from_the_parent_and_never_touch_it(driver_name: str
                 child.filesystem.write("/state/who", f"child {child.id}")
                 # the parent's counter process came along, and keeps counting in the child
                 before = int(child.filesystem.read_text("/state/n"))
-                assert child.run(f"sleep 0.3; test $(cat /state/n) -gt {before}").ok
+                assert child.run(within(f"test $(cat /state/n) -gt {before}")).ok
             assert parent.filesystem.read_text("/state/who") == "parent"
             assert [c.filesystem.read_text("/state/who") for c in children] == \
                 [f"child {c.id}" for c in children]
