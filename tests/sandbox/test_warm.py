@@ -11,6 +11,7 @@ import shutil
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -243,6 +244,59 @@ def test_a_kept_warm_sandbox_shows_batch_k_nothing_of_batch_k_minus_1(
     # secrets are injected per batch, and only that batch's
     assert again["env"] == again["environ"] == "fourth-batch-secret"
     assert first["env"] == "first-batch-secret"
+
+
+def test_a_cancel_racing_its_jobs_end_reaches_the_guest_before_the_batch_ends(
+        driver: SandboxDriver, harness: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's cancel of the job in flight is held until that job's end
+    has arrived (the worst case for the race): its frame must still reach
+    the guest before the batch's `end`, never the warm parent after it (which
+    takes only a `batch` command); and a stray cancel sent to a kept-warm
+    sandbox between batches changes nothing: the same sandbox serves the next."""
+    from tenantq.sandbox.channel import Channel
+
+    h = harness(driver, WarmPolicy(keep_warm_seconds=60))
+    sent: list[str] = []
+    job_ended, end_sent = threading.Event(), threading.Event()
+    cancellers: list[threading.Thread] = []
+    real_send, real_receive = Channel.send, Channel.receive
+
+    def receive(self: Channel, deadline: float, **kw: Any) -> dict[str, Any]:
+        record = real_receive(self, deadline, **kw)
+        if record.get("status") == "job_end":
+            job_ended.set()
+        return record
+
+    def send(self: Channel, value: object, deadline: float) -> None:
+        op = str(value.get("op", "secrets")) if isinstance(value, dict) else "?"
+        if op == "cancel":
+            assert job_ended.wait(30), "the job never ended"
+            # without the session's lock, the host says `end` in this window
+            end_sent.wait(2.0)
+        real_send(self, value, deadline)
+        sent.append(op)
+        if op == "end":
+            end_sent.set()
+        if op == "job" and not cancellers and isinstance(value, dict):
+            # the worker's listener thread, as the job is handed out
+            thread = threading.Thread(target=h.executor.cancel, args=(value["job"]["id"],))
+            cancellers.append(thread)
+            thread.start()
+
+    monkeypatch.setattr(Channel, "receive", receive)
+    monkeypatch.setattr(Channel, "send", send)
+    ended = h.run("warm.state")
+    cancellers[0].join(timeout=30)
+    monkeypatch.undo()
+    assert ended and ended[0].ok, ended  # it had finished: the host settles it (settle.py)
+    assert sent[-3:] == ["job", "cancel", "end"], sent
+    # a cancel frame between batches (the one the lock now rules out)
+    with h.executor.warm._lock:
+        (server,) = h.executor.warm._idle
+    server.running.channel.send({"op": "cancel", "seq": 0}, time.monotonic() + 5)
+    assert h.result("warm.state")["env"] is None
+    (first, _), (second, origin) = h.origins
+    assert second == first and origin == "warm", h.origins
 
 
 def test_a_warm_sandbox_is_never_shared_between_tenants(

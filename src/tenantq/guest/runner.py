@@ -135,6 +135,8 @@ def serve(config: dict[str, Any]) -> int:
             return 2
         if command is None:
             return 0
+        if command.get("op") == "cancel":
+            continue  # for a job of the batch that just ended (the supervisor does the same between jobs)
         if command.get("op") != "batch":
             return 2
         say(_run_batch(stdin, command, wake_r))

@@ -206,6 +206,12 @@ class SandboxExecutor:
                     # no job's code ran in this restored sandbox, so its image is
                     # broken: host-observed corruption (rule S1), never the guest's say
                     self._restore_failed(server, ended.result)
+            elif not ended.end.ok:
+                # the sandbox died under a job: its runner's last words, for the
+                # operator (guest text: a bounded tail, escaped by %r)
+                stderr = ended.result.stderr[-500:] if ended.result else ""
+                log.warning("sandbox %s ended mid-batch: %s; stderr: %r", server.sandbox.id,
+                            ended.end.reason(), stderr)
             end = ended.end
             if end.kind == "signal" and end.signal == 9 and server.sandbox.oom_killed():
                 end = End("oom", exit_code=end.exit_code,

@@ -88,14 +88,18 @@ class BatchSession:
         (its supervisor kills its process and reports its end); a later one
         is skipped. What the job then reports ends it `cancelled` on the
         host's say (settle.py), never the guest's."""
+        # Lock order: the cancel lock, then the channel's send lock (as in
+        # _run_job). Sent under the cancel lock, which _end() takes to clear the job in
+        # flight: a cancel frame is in the pipe before that job's end is
+        # handled, so never after the batch's `end` (the warm parent between
+        # batches takes only a `batch` command).
         with self._cancel_lock:
             if job_id != self.current:
                 self._skip.add(job_id)
                 return
-            seq = self._seq
-        # if the channel fails, the sandbox is going anyway: the job ends with it
-        with contextlib.suppress(ChannelTimeout, GuestGone):
-            self.channel.send({"op": "cancel", "seq": seq}, time.monotonic() + 1.0)
+            # if the channel fails, the sandbox is going anyway: the job ends with it
+            with contextlib.suppress(ChannelTimeout, GuestGone):
+                self.channel.send({"op": "cancel", "seq": self._seq}, time.monotonic() + 1.0)
 
     def running_now(self) -> int | None:
         """The job in flight (read by the egress proxy's thread)."""
@@ -194,7 +198,8 @@ class BatchSession:
     def _end(self, event: JobEnded, out: SessionEnd) -> None:
         # the host's clock, never the guest's (rule H4)
         seconds = max(0.0, time.monotonic() - self._t0)
-        self.current = None
+        with self._cancel_lock:
+            self.current = None
         if self.on_job_end is not None:
             self.on_job_end()
         self.report(JobEnded(event.job_id, ok=event.ok, result=event.result, error=event.error,
