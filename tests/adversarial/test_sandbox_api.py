@@ -58,29 +58,21 @@ import concurrent.futures
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.adversarial.host import Marker, MemoryCgroup
+from tests.adversarial import host_side
+from tests.adversarial.host import HANG_SECONDS, MIB, Host, Marker, MemoryCgroup, Outcome, short
+from tests.adversarial.host_side import show
 from tests.sandbox.conftest import processes_mentioning
 from tests.sandbox_api.conftest import data_dir, driver_name  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
-KIB, MIB = 1 << 10, 1 << 20
-# the host process's own peak RSS may grow at most this much while it is attacked
-HOST_RSS_GROWTH_LIMIT = 100 * MIB
-# a single host call (file operation, exec with a timeout, delete) that has
-# not returned after this long is a hang
-HANG_SECONDS = 60.0
 # a sandbox must be gone (unlisted, no host process) this long after its deadline
 TTL_GRACE_SECONDS = 10.0
 TTL_SECONDS = 12.0
@@ -88,227 +80,23 @@ DEFAULT_CAP = 1 << 20
 FORGED = "tqadv-forged"
 PWN = "tqadv-pwn"
 
-# -- the host side, in a memory-limited subprocess --------------------------------
-
-CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
-         "from tests.adversarial.test_sandbox_api import child_main; child_main(sys.argv[2], sys.argv[3])")
+# -- the host side, in a memory-limited subprocess (tests/adversarial/host.py) ------
 
 
 def run_host_side(attack: str, args: dict[str, Any], *, cgroup: MemoryCgroup, tmp_path: Path,
                   timeout: float = 165.0) -> dict[str, Any]:
     """Run ATTACKS[attack](**args) in a subprocess inside `cgroup`; its report."""
-    work = tmp_path / "harness"
-    work.mkdir(exist_ok=True)
-    args_file, report_file, log_file = (work / f"{attack}.{n}" for n in ("args.json", "report.json", "log"))
-    args_file.write_text(json.dumps({"attack": attack, **args}))
-    started = time.monotonic()
-    with log_file.open("wb") as log:
-        proc = subprocess.Popen(cgroup.wrap([sys.executable, "-c", CHILD, str(ROOT), str(args_file),
-                                             str(report_file)]),
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-        try:
-            rc: int | None = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
-    try:
-        report: dict[str, Any] = json.loads(report_file.read_text())
-    except (OSError, ValueError):
-        report = {"problems": [], "notes": [], "steps": [], "memory": {}}
-    report["seconds"] = round(time.monotonic() - started, 1)
-    report["log"] = log_file.read_text(errors="replace")[-4000:]
-    last = (report.get("steps") or ["(none)"])[-1]
-    if rc is None:
-        report["problems"].append(f"the host side was still running after {timeout:.0f} s "
-                                  f"(last step: {last})")
-    elif rc != 0:
-        report["problems"].append(f"the host-side process exited {rc} (crashed, or killed at its memory "
-                                  f"cgroup's limit; failcnt {cgroup.failcnt()}); last step: {last}; "
-                                  f"log tail:\n{report['log'][-2000:]}")
-    elif not report.get("done"):
-        report["problems"].append(f"the host side ended without finishing (last step: {last})")
-    return report
-
-
-def show(report: dict[str, Any]) -> str:
-    """Print the report (pytest shows it on failure, and with -s) and return
-    its problems as one message."""
-    print(f"host side: {report.get('seconds')} s; memory {json.dumps(report.get('memory'))}")
-    for step in report.get("steps", []):
-        print(f"  step {step}")
-    for note in report.get("notes", []):
-        print(f"  note: {note}")
-    for problem in report.get("problems", []):
-        print(f"  PROBLEM: {problem}")
-    return "\n".join(report.get("problems", []))
+    return host_side.run_host_side("tests.adversarial.test_sandbox_api", attack, args, cgroup=cgroup,
+                                   tmp_path=tmp_path, timeout=timeout)
 
 
 def child_main(args_file: str, report_file: str) -> None:
     args = json.loads(Path(args_file).read_text())
-    host = Host(Path(report_file))
-    try:
-        ATTACKS[args.pop("attack")](host, **args)
-    except Exception as exc:
-        host.problem(f"the host side raised {type(exc).__name__}: {str(exc)[:500]}\n"
-                     f"{traceback.format_exc()[-3000:]}")
-    finally:
-        host.cleanup()
-        host.done = True
-        host.save()
+    Host(Path(report_file)).run(ATTACKS, args)
     sys.stdout.flush()
     sys.stderr.flush()
     # a daemon thread may still be blocked in a host call: do not wait for it
     os._exit(0)
-
-
-@dataclass
-class Outcome:
-    label: str
-    value: Any = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-    hung: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.hung and self.error is None
-
-    def describe(self) -> str:
-        if self.hung:
-            return f"HUNG after {self.seconds:.0f} s"
-        if self.error is not None:
-            return f"{type(self.error).__name__}: {str(self.error)[:160]} ({self.seconds:.1f} s)"
-        return f"ok: {short(self.value)} ({self.seconds:.1f} s)"
-
-
-def short(value: Any, limit: int = 120) -> str:
-    if isinstance(value, bytes | str):
-        return f"{type(value).__name__}[{len(value)}] {value[:40]!r}"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-class Host:
-    """The attacked host process: what it saw, its sandboxes, its memory."""
-
-    def __init__(self, report_path: Path) -> None:
-        self.report_path = report_path
-        self.t0 = time.monotonic()
-        self.problems: list[str] = []
-        self.notes: list[str] = []
-        self.steps: list[str] = []
-        self.memory: dict[str, Any] = {}
-        self.base_kb: int | None = None
-        self.made: list[Any] = []
-        self.tags: dict[int, str] = {}
-        self.done = False
-        self.lock = threading.Lock()
-
-    def save(self) -> None:
-        with self.lock:
-            data = {"problems": self.problems, "notes": self.notes, "steps": self.steps,
-                    "memory": self.memory, "done": self.done}
-            tmp = self.report_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, default=repr))
-            tmp.replace(self.report_path)
-
-    def step(self, label: str) -> None:
-        self.steps.append(f"{time.monotonic() - self.t0:6.1f}s {label}")
-        self.save()
-
-    def problem(self, text: str) -> None:
-        self.problems.append(text)
-        self.save()
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-        self.save()
-
-    def expect(self, condition: bool, text: str) -> bool:
-        if not condition:
-            self.problem(text)
-        return condition
-
-    # -- memory ----------------------------------------------------------------
-
-    def start_memory(self) -> None:
-        """From now on the peak RSS is the attack's: reset VmHWM to VmRSS."""
-        self.memory["base_kb"] = status_kb("VmRSS")
-        self._reset_peak()
-
-    def _reset_peak(self) -> None:
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")
-        self.base_kb = status_kb("VmRSS")
-
-    def check_memory(self, label: str, limit: int = HOST_RSS_GROWTH_LIMIT) -> None:
-        """The peak RSS since the last check (or start_memory), over the RSS
-        then, against `limit`; then a new section starts."""
-        assert self.base_kb is not None
-        growth = (status_kb("VmHWM") - self.base_kb) * KIB
-        self.memory[label] = f"{growth / MIB:.1f} MB"
-        self.expect(growth <= limit, f"host memory: the host process's peak RSS grew {growth / MIB:.0f} MB "
-                                     f"during {label} (limit {limit / MIB:.0f} MB)")
-        self._reset_peak()
-
-    # -- sandboxes ---------------------------------------------------------------
-
-    def create(self, role: str, **kwargs: Any) -> Any:
-        from tenantq import Sandbox
-
-        tag = f"{role}-{uuid.uuid4().hex[:8]}"
-        options = {"ttl_seconds": 170, "memory_mb": 256, "timeout_seconds": 30, **kwargs}
-        options["metadata"] = {"tqadv": tag, **options.get("metadata", {})}
-        started = time.monotonic()
-        sbx = Sandbox.create(**options)
-        self.made.append(sbx)
-        self.tags[id(sbx)] = tag
-        self.step(f"created {role} ({options.get('driver')}) in {time.monotonic() - started:.1f} s")
-        return sbx
-
-    def info(self, sbx: Any) -> Any:
-        """The sandbox's SandboxInfo, found through its metadata (public API only)."""
-        from tenantq import Sandbox
-
-        found = Sandbox.list(metadata={"tqadv": self.tags[id(sbx)]})
-        return found[0] if found else None
-
-    def cleanup(self) -> None:
-        for sbx in self.made:
-            out = self.bounded("delete", sbx.delete)
-            if out.hung or (out.error is not None and "SandboxGone" not in type(out.error).__name__):
-                self.problem(f"delete(): {out.describe()}")
-
-    def bounded(self, label: str, fn: Callable[[], Any], seconds: float = HANG_SECONDS) -> Outcome:
-        """fn() in a daemon thread; a hang past `seconds` is recorded as a problem."""
-        out = Outcome(label)
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                out.value = fn()
-            except BaseException as exc:
-                out.error = exc
-            finally:
-                done.set()
-
-        started = time.monotonic()
-        threading.Thread(target=call, name=f"call-{label}", daemon=True).start()
-        if not done.wait(seconds):
-            out.hung = True
-            self.problem(f"{label}: the host call had not returned after {seconds:.0f} s")
-        out.seconds = time.monotonic() - started
-        if out.error is not None and not isinstance(out.error, Exception):
-            self.problem(f"{label}: the host raised {type(out.error).__name__}, not an Exception")
-        return out
 
 
 # -- guest code (runs inside the sandbox; python3 from the host's /usr) ---------------
@@ -1403,7 +1191,7 @@ def test_planted_paths_stay_inside_the_sandbox(driver_name: str, data_dir: Path,
     report = run_host_side("paths", {"driver": driver_name, "marker": str(marker.path),
                                      "victim": str(marker.victim), "data": str(data_dir), "leaks": leaks},
                            cgroup=memory_cgroup, tmp_path=tmp_path)
-    problems = show(report).splitlines()
+    problems = show(report)
     problems += marker.changes()
     problems += [f"rule H1: a host path named {PWN!r} appeared: {p}" for p in host_files_named(
         PWN, [Path("/"), Path("/usr"), Path("/usr/lib"), Path("/etc"), Path("/root"), Path("/tmp")],
@@ -1417,14 +1205,14 @@ def test_forged_agent_frames_break_only_their_own_sandbox(
         driver_name: str, data_dir: Path, tmp_path: Path, memory_cgroup: MemoryCgroup) -> None:  # noqa: F811
     report = run_host_side("forge", {"driver": driver_name}, cgroup=memory_cgroup, tmp_path=tmp_path)
     problems = show(report)
-    assert not problems, problems
+    assert not problems, "\n".join(problems)
 
 
 def test_output_floods_are_capped_and_cost_the_host_nothing(
         driver_name: str, data_dir: Path, tmp_path: Path, memory_cgroup: MemoryCgroup) -> None:  # noqa: F811
     report = run_host_side("floods", {"driver": driver_name}, cgroup=memory_cgroup, tmp_path=tmp_path)
     problems = show(report)
-    assert not problems, problems
+    assert not problems, "\n".join(problems)
 
 
 def test_commands_cannot_keep_a_sandbox_past_its_ttl(driver_name: str, data_dir: Path,  # noqa: F811
@@ -1432,7 +1220,7 @@ def test_commands_cannot_keep_a_sandbox_past_its_ttl(driver_name: str, data_dir:
     report = run_host_side("ttl", {"driver": driver_name, "ttl": TTL_SECONDS}, cgroup=memory_cgroup,
                            tmp_path=tmp_path)
     problems = show(report)
-    assert not problems, problems
+    assert not problems, "\n".join(problems)
 
 
 def test_nothing_crosses_between_sandboxes(driver_name: str, data_dir: Path, tmp_path: Path,  # noqa: F811
@@ -1442,7 +1230,7 @@ def test_nothing_crosses_between_sandboxes(driver_name: str, data_dir: Path, tmp
                                          "secret": f"tqadv-iso-secret-{stamp[12:]}"},
                            cgroup=memory_cgroup, tmp_path=tmp_path)
     problems = show(report)
-    assert not problems, problems
+    assert not problems, "\n".join(problems)
 
 
 def test_secrets_reach_commands_but_no_host_file(driver_name: str, data_dir: Path, tmp_path: Path,  # noqa: F811
@@ -1455,4 +1243,4 @@ def test_secrets_reach_commands_but_no_host_file(driver_name: str, data_dir: Pat
                                        "exclude": str(work)},
                            cgroup=memory_cgroup, tmp_path=tmp_path)
     problems = show(report)
-    assert not problems, problems
+    assert not problems, "\n".join(problems)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import socket
@@ -58,16 +57,13 @@ from typing import Any
 
 import pytest
 
+from tests.adversarial import host_side
 from tests.adversarial.attacks.api_egress import EXIT_HUNG, EXIT_SECONDS, FORBIDDEN, sandbox_ids
 from tests.adversarial.host import Marker, MemoryCgroup
+from tests.adversarial.host_side import ROOT, show
 from tests.sandbox.conftest import BWRAP_OK
 from tests.sandbox_api.conftest import data_dir, driver_name  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[2]
-CHILD = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from tests.adversarial.attacks.api_egress import child_main; child_main(sys.argv[2], sys.argv[3])"
-)
 # the ready pool's refill and the flood make the egress run the longest
 HOST_SIDE_SECONDS = 150.0
 CLI_SECONDS = 90.0
@@ -87,61 +83,11 @@ def run_host_side(
     env: dict[str, str] | None = None,
     timeout: float = HOST_SIDE_SECONDS,
 ) -> dict[str, Any]:
-    work = tmp_path / "harness"
-    work.mkdir(exist_ok=True)
-    args_file, report_file, log_file = (work / f"{attack}.{n}" for n in ("args.json", "report.json", "log"))
-    args_file.write_text(json.dumps({"attack": attack, **args}))
-    started = time.monotonic()
-    with log_file.open("wb") as log:
-        proc = subprocess.Popen(
-            cgroup.wrap([sys.executable, "-c", CHILD, str(ROOT), str(args_file), str(report_file)]),
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-        )
-        try:
-            rc: int | None = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = None
-    try:
-        report: dict[str, Any] = json.loads(report_file.read_text())
-    except (OSError, ValueError):
-        report = {"problems": [], "notes": [], "steps": [], "memory": {}}
-    report["seconds"] = round(time.monotonic() - started, 1)
-    report["log"] = log_file.read_text(errors="replace")[-4000:]
-    last = (report.get("steps") or ["(none)"])[-1]
-    if rc is None:
-        report["problems"].append(
-            f"the host side was still running after {timeout:.0f} s (last step: {last})"
-        )
-    elif rc == EXIT_HUNG and report.get("done"):
-        report["problems"].append(
-            f"the host-side process finished but its exit (where the ready pool deletes what it holds) "
-            f"had not ended {EXIT_SECONDS:.0f} s later; log tail:\n{report['log'][-1500:]}"
-        )
-    elif rc != 0:
-        report["problems"].append(
-            f"the host-side process exited {rc} (crashed, or killed at its memory "
-            f"cgroup's limit; failcnt {cgroup.failcnt()}); last step: {last}; "
-            f"log tail:\n{report['log'][-2000:]}"
-        )
-    elif not report.get("done"):
-        report["problems"].append(f"the host side ended without finishing (last step: {last})")
-    return report
-
-
-def show(report: dict[str, Any]) -> list[str]:
-    print(f"host side: {report.get('seconds')} s; memory {json.dumps(report.get('memory'))}")
-    for step in report.get("steps", []):
-        print(f"  step {step}")
-    for note in report.get("notes", []):
-        print(f"  note: {note}")
-    for problem in report.get("problems", []):
-        print(f"  PROBLEM: {problem}")
-    return list(report.get("problems", []))
+    """Run api_egress.ATTACKS[attack](**args) in a subprocess inside `cgroup`; its report."""
+    return host_side.run_host_side(
+        "tests.adversarial.attacks.api_egress", attack, args, cgroup=cgroup, tmp_path=tmp_path,
+        timeout=timeout, env=env, exit_hung=EXIT_HUNG, exit_seconds=EXIT_SECONDS,
+    )
 
 
 # -- listeners on the host: the allowed upstreams and the forbidden ones --------------------

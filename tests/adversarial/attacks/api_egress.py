@@ -6,8 +6,8 @@ Written from the docs and the guest-visible surface only (guest/agent.py,
 guest/egress.py, the public `Sandbox` signatures). The host side runs in a
 subprocess inside a memory cgroup (`child_main`, started by the test), and every
 call it makes into the API is bounded by a deadline in a thread of its own, as in
-tests/adversarial/test_sandbox_api.py. This module imports no test fixture, so
-that subprocess starts fast.
+tests/adversarial/test_sandbox_api.py (both use tests/adversarial/host.py's Host).
+This module imports no test fixture, so that subprocess starts fast.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-KIB, MIB = 1 << 10, 1 << 20
-HOST_RSS_GROWTH_LIMIT = 100 * MIB
-HANG_SECONDS = 60.0
+from tests.adversarial.host import HANG_SECONDS
+from tests.adversarial.host import Host as HostBase
+
 # a sandbox's egress must answer its own allowed request within this long while a
 # neighbour floods the proxy
 NEIGHBOUR_SECONDS = 15.0
@@ -714,142 +713,22 @@ print(json.dumps(rep))
 """
 )
 
-# -- the host side ---------------------------------------------------------------------
+# -- the host side (tests/adversarial/host.py) ------------------------------------------
 
 
-def status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
+class Host(HostBase):
+    """The attacked host process (tests/adversarial/host.py's Host), whose creates
+    are bounded (a hang raises), and a few calls of its own."""
 
-
-class Outcome:
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self.hung = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.hung and self.error is None
-
-    def describe(self) -> str:
-        if self.hung:
-            return f"HUNG after {self.seconds:.0f} s"
-        if self.error is not None:
-            return f"{type(self.error).__name__}: {str(self.error)[:200]} ({self.seconds:.1f} s)"
-        return f"ok ({self.seconds:.1f} s)"
-
-
-class Host:
-    """The attacked host process: what it saw, its sandboxes, its memory
-    (the shape of tests/adversarial/test_sandbox_api.py's Host)."""
-
-    def __init__(self, report_path: Path) -> None:
-        self.report_path = report_path
-        self.t0 = time.monotonic()
-        self.problems: list[str] = []
-        self.notes: list[str] = []
-        self.steps: list[str] = []
-        self.memory: dict[str, Any] = {}
-        self.base_kb = 0
-        self.made: list[Any] = []
-        self.tags: dict[int, str] = {}
-        self.done = False
-        self.lock = threading.Lock()
-
-    def save(self) -> None:
-        with self.lock:
-            data = {
-                "problems": self.problems,
-                "notes": self.notes,
-                "steps": self.steps,
-                "memory": self.memory,
-                "done": self.done,
-            }
-            tmp = self.report_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, default=repr))
-            tmp.replace(self.report_path)
-
-    def step(self, label: str) -> None:
-        self.steps.append(f"{time.monotonic() - self.t0:6.1f}s {label}")
-        self.save()
-
-    def problem(self, text: str) -> None:
-        self.problems.append(text)
-        self.save()
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-        self.save()
-
-    def expect(self, condition: bool, text: str) -> bool:
-        if not condition:
-            self.problem(text)
-        return condition
-
-    def start_memory(self) -> None:
-        self.memory["base_kb"] = status_kb("VmRSS")
-        self._reset_peak()
-
-    def _reset_peak(self) -> None:
-        with contextlib.suppress(OSError):
-            Path("/proc/self/clear_refs").write_text("5")
-        self.base_kb = status_kb("VmRSS")
-
-    def check_memory(self, label: str, limit: int = HOST_RSS_GROWTH_LIMIT) -> None:
-        growth = (status_kb("VmHWM") - self.base_kb) * KIB
-        self.memory[label] = f"{growth / MIB:.1f} MB"
-        self.expect(
-            growth <= limit,
-            f"host memory: the host process's peak RSS grew {growth / MIB:.0f} MB "
-            f"during {label} (limit {limit / MIB:.0f} MB)",
-        )
-        self._reset_peak()
-
-    def bounded(self, label: str, fn: Callable[[], Any], seconds: float = HANG_SECONDS) -> Outcome:
-        """fn() in a daemon thread; a hang past `seconds` is a problem."""
-        out = Outcome(label)
-        done = threading.Event()
-
-        def call() -> None:
-            try:
-                out.value = fn()
-            except BaseException as exc:
-                out.error = exc
-            finally:
-                done.set()
-
-        started = time.monotonic()
-        threading.Thread(target=call, name=f"call-{label}", daemon=True).start()
-        if not done.wait(seconds):
-            out.hung = True
-            self.problem(f"{label}: the host call had not returned after {seconds:.0f} s")
-        out.seconds = time.monotonic() - started
-        return out
-
-    def create(self, role: str, seconds: float = HANG_SECONDS, **kwargs: Any) -> Any:
-        from tenantq import Sandbox
-
-        tag = f"{role}-{uuid.uuid4().hex[:8]}"
-        options: dict[str, Any] = {"ttl_seconds": 170, "memory_mb": 256, "timeout_seconds": 30, **kwargs}
-        options["metadata"] = {"tqadv": tag, **options.get("metadata", {})}
-        out = self.bounded(f"create {role}", lambda: Sandbox.create(**options), seconds)
-        if not out.ok:
-            raise RuntimeError(f"create {role}: {out.describe()}")
-        self.made.append(out.value)
-        self.tags[id(out.value)] = tag
-        self.step(f"created {role} ({options.get('driver')}) in {out.seconds:.1f} s")
-        return out.value
+    error_chars = 200
+    show_values = False
+    create_seconds = HANG_SECONDS
+    gone = "Gone"
+    strict = False
 
     def sandbox_id(self, sbx: Any) -> str | None:
-        from tenantq import Sandbox
-
-        found = Sandbox.list(metadata={"tqadv": self.tags[id(sbx)]})
-        return str(found[0].id) if found else None
+        found = self.info(sbx)
+        return str(found.id) if found else None
 
     def run_json(self, label: str, sbx: Any, argv: list[str], timeout: float = 60) -> Any:
         """A guest script's one line of JSON, or None (a problem says why)."""
@@ -870,12 +749,6 @@ class Host:
     def write(self, sbx: Any, path: str, text: str) -> bool:
         out = self.bounded(f"write {path}", lambda: sbx.filesystem.write(path, text))
         return self.expect(out.ok, f"writing {path} into a sandbox: {out.describe()}")
-
-    def cleanup(self) -> None:
-        for sbx in self.made:
-            out = self.bounded("delete", sbx.delete)
-            if out.hung or (out.error is not None and "Gone" not in type(out.error).__name__):
-                self.problem(f"delete(): {out.describe()}")
 
 
 def sandbox_ids(data: Path) -> set[str]:
@@ -1654,19 +1527,9 @@ ATTACKS: dict[str, Callable[..., None]] = {"egress": attack_egress, "templates":
 
 def child_main(args_file: str, report_file: str) -> None:
     args = json.loads(Path(args_file).read_text())
-    host = Host(Path(report_file))
     # the interpreter's exit deletes what the ready pool holds (docs/sandbox-api.md,
     # Ready pool), so this process ends normally; a hang in that is cut short
-    try:
-        ATTACKS[args.pop("attack")](host, **args)
-    except Exception as exc:
-        host.problem(
-            f"the host side raised {type(exc).__name__}: {str(exc)[:500]}\n{traceback.format_exc()[-3000:]}"
-        )
-    finally:
-        host.cleanup()
-        host.done = True
-        host.save()
+    Host(Path(report_file)).run(ATTACKS, args)
     sys.stdout.flush()
     sys.stderr.flush()
     killer = threading.Timer(EXIT_SECONDS, lambda: os._exit(EXIT_HUNG))
