@@ -45,12 +45,17 @@ def tenant() -> None:
               help="With --rate: jobs that may start at once (default 1 s).")
 @click.option("--rate-kind", "rate_kinds", multiple=True, metavar="KIND=RATE",
               help="Limit one of its kinds: reports.render=2/s (repeatable; KIND=none lifts it).")
+@click.option("--host-functions", default=None, metavar="NAMES",
+              help='Host functions its handlers may call: "orders.for_month,crm.lookup"; "" = none; '
+                   '"*" = every one they declare (the default).')
 def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, egress: str | None,
                retain_done: str | None, retain_cancelled: str | None, retain_dead: str | None,
-               rate: str | None, burst: float | None, rate_kinds: tuple[str, ...]) -> None:
+               rate: str | None, burst: float | None, rate_kinds: tuple[str, ...],
+               host_functions: str | None) -> None:
     """Set a tenant's weight, concurrency cap, egress rules, retention
     (how long its finished jobs are kept, per status; the word `default`
-    removes the tenant's own window) and rate limits (docs/rate-limits.md)."""
+    removes the tenant's own window), rate limits (docs/rate-limits.md) and
+    the host functions its handlers may call (docs/tenant-data.md)."""
     limits: list[tuple[str | None, str, float | None]] = [(None, rate, burst)] if rate is not None else []
     for item in rate_kinds:
         kind_name, sep, kind_rate = item.partition("=")
@@ -64,7 +69,7 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, eg
             _rate_value(kind_rate)
         row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress,
                            retain_done=retain_done, retain_cancelled=retain_cancelled,
-                           retain_dead=retain_dead)
+                           retain_dead=retain_dead, host_functions=host_functions)
         for limited, kind_rate, kind_burst in limits:
             q.set_rate_limit(tenant_id, limited, rate=_rate_value(kind_rate), burst=kind_burst)
     from tenantq.render import seconds_text
@@ -75,8 +80,13 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, eg
     if any(w is not None for w in windows) or (retain_done, retain_cancelled, retain_dead) != (None,) * 3:
         retention = (f"retain done {seconds_text(windows[0])}, cancelled {seconds_text(windows[1])}, "
                      f"dead {seconds_text(windows[2])}, ")
+    functions = ""
+    if row.get("host_functions") is not None or host_functions is not None:
+        allowed = row.get("host_functions")
+        functions = (", host functions: every declared one" if allowed is None
+                     else f", host functions: {', '.join(allowed) or 'none'}")
     click.echo(f"tenant {row['tenant_id']}: weight {row['weight']}, max sandboxes {cap}, {retention}"
-               f"egress {', '.join(row['egress']) or 'none'}")
+               f"egress {', '.join(row['egress']) or 'none'}{functions}")
     for limited, kind_rate, _ in limits:
         scope = f"kind {limited}" if limited else "all its kinds"
         click.echo(f"  rate limit ({scope}): {kind_rate}" if _rate_value(kind_rate) is not None

@@ -17,8 +17,11 @@ same `CallGate`. Everything that arrives is hostile input (docs/security.md,
 rule F1): the gate answers every call from the host's own records, never
 from the guest's claims. The tenant and the actor are the batch's and the
 running job's (the host's bookkeeping, rule H2), not anything in the args;
-only the functions the running job's handler declares can be called; sizes,
-calls per batch, time per call and calls in flight are bounded (`CallLimits`).
+only the functions the running job's handler declares, and its tenant's
+restriction allows (`tenantq tenant set T --host-functions`), can be called;
+sizes, calls per batch, time per call and calls in flight are bounded
+(`CallLimits`). What the calls cost is counted here, by the host: per job
+(`take_job`, the attempt's record) and per batch (`batch_record`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -37,6 +40,7 @@ from tenantq.guest.protocol import MAX_CALL_REQUEST_BYTES, MAX_JSON_DEPTH, json_
 from tenantq.registry import REGISTRY, Registry
 from tenantq.store import validation
 
+# calls listed per attempt (all are counted)
 MAX_RECORDED_CALLS = 100
 
 
@@ -125,12 +129,34 @@ class Caller:
 
 @dataclass
 class CallStats:
+    """A batch's calls. `calls` are the ones let through (they count against
+    `calls_per_batch`), `refused` the ones the gate turned away, `errors`
+    the calls let through that failed (raised, overran, bad result)."""
+
     calls: int = 0
+    refused: int = 0
     errors: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     seconds: float = 0.0
-    recent: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        return {"calls": self.calls, "refused": self.refused, "errors": self.errors,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 6)}
+
+
+@dataclass
+class JobCalls:
+    """One job's calls, for its attempt's record."""
+
+    count: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self) -> dict[str, Any]:
+        return {"count": self.count, "errors": self.errors, "seconds": round(self.seconds, 6),
+                "calls": self.calls}
 
 
 # host functions run here, not on the thread that received the call, so a
@@ -143,13 +169,18 @@ class CallGate:
     """One batch's door to the host functions."""
 
     def __init__(self, registry: Registry, tenant: str, current: Callable[[], Caller | None], *,
-                 database: Any = None, limits: CallLimits | None = None) -> None:
+                 database: Any = None, limits: CallLimits | None = None,
+                 allowed: Collection[str] | None = None) -> None:
         self.registry = registry
         self.tenant = tenant
         self.current = current
         self.database = database
         self.limits = limits or CallLimits()
+        # the tenant's restriction (tenants.host_functions, claimed with the
+        # batch); None: every function a handler declares
+        self.allowed = None if allowed is None else frozenset(allowed)
         self.stats = CallStats()
+        self._jobs: dict[int, JobCalls] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -161,18 +192,20 @@ class CallGate:
         flight now."""
         shown = name if isinstance(name, str) and len(name) <= 200 else "?"
         started = time.monotonic()
+        who = self.current() if caller is True else caller
         try:
-            result = self._call(name, args, request_bytes, self.current() if caller is True else caller)
+            result = self._call(name, args, request_bytes, who)
         except HostFunctionError as exc:
             return self._done(shown, "refused" if exc.args[0].startswith("refused") else "error",
-                              started, {"ok": False, "error": str(exc)})
-        return self._done(shown, "ok", started, {"ok": True, "result": result})
+                              started, {"ok": False, "error": str(exc)}, who)
+        return self._done(shown, "ok", started, {"ok": True, "result": result}, who)
 
-    def refuse(self, reason: str) -> dict[str, Any]:
+    def refuse(self, reason: str, caller: Caller | None = None) -> dict[str, Any]:
         """A request that never got as far as a name (the server's checks)."""
-        return self._done("?", "refused", time.monotonic(), {"ok": False, "error": reason})
+        return self._done("?", "refused", time.monotonic(), {"ok": False, "error": reason}, caller)
 
-    def _done(self, name: str, outcome: str, started: float, reply: dict[str, Any]) -> dict[str, Any]:
+    def _done(self, name: str, outcome: str, started: float, reply: dict[str, Any],
+              caller: Caller | bool | None) -> dict[str, Any]:
         from tenantq.observe import metrics  # host only: `import tenantq` in a sandbox needs none of it
 
         seconds = time.monotonic() - started
@@ -180,11 +213,30 @@ class CallGate:
         metrics.HOST_FUNCTION_CALLS.labels(label, outcome).inc()
         with self._lock:
             self.stats.seconds += seconds
-            if outcome != "ok":
-                self.stats.errors += 1
-            if len(self.stats.recent) < MAX_RECORDED_CALLS:
-                self.stats.recent.append({"name": name, "outcome": outcome, "ms": round(seconds * 1000, 1)})
+            self.stats.refused += outcome == "refused"
+            self.stats.errors += outcome == "error"
+            if isinstance(caller, Caller):
+                job = self._jobs.setdefault(caller.job_id, JobCalls())
+                job.count += 1
+                job.errors += outcome != "ok"
+                job.seconds += seconds
+                if len(job.calls) < MAX_RECORDED_CALLS:
+                    job.calls.append({"name": name, "outcome": outcome, "ms": round(seconds * 1000, 3)})
         return reply
+
+    def take_job(self, job_id: int) -> dict[str, Any] | None:
+        """The calls made for `job_id` (None: none), for its attempt's
+        record; a call still answering for it later is counted for the batch only."""
+        with self._lock:
+            job = self._jobs.pop(job_id, None)
+        return None if job is None else job.record()
+
+    def batch_record(self) -> dict[str, Any] | None:
+        """The batch's counts (None when nothing was called)."""
+        with self._lock:
+            if not (self.stats.calls or self.stats.refused):
+                return None
+            return self.stats.record()
 
     def _call(self, name: object, args: object, request_bytes: int, caller: Caller | bool | None) -> Any:
         limits = self.limits
@@ -196,6 +248,9 @@ class CallGate:
         if handler is None or name not in handler.host_functions:
             raise HostFunctionError(f"refused: handler {caller.kind!r} does not declare host function "
                                     f"{name!r}")
+        if self.allowed is not None and name not in self.allowed:
+            raise HostFunctionError(f"refused: tenant {self.tenant!r} may not call host function {name!r} "
+                                    "(tenantq tenant set --host-functions)")
         function: HostFunction | None = self.registry.host_function(name)
         if function is None:
             raise HostFunctionError(f"refused: no host function {name!r} is registered on this worker")

@@ -134,12 +134,14 @@ def status_tables(rows: list[dict[str, Any]], tenants: list[dict[str, Any]],
                        _age(r["oldest_pending_seconds"]))
     console.print(queues)
     numbers = ("weight", "max sandboxes", "running batches", "deficit")
-    fair = table("tenant", *numbers, "egress", "paused", title="Tenants", right=numbers)
+    fair = table("tenant", *numbers, "egress", "host functions", "paused", title="Tenants", right=numbers)
     for t in tenants:
         cap = "-" if t["max_sandboxes"] is None else str(t["max_sandboxes"])
         paused = t.get("paused_at")
+        allowed = t.get("host_functions")
         fair.add_row(t["tenant_id"], str(t["weight"]), cap, str(t["live_batches"]),
                      f"{float(t['deficit']):.1f}", ", ".join(t.get("egress") or []) or "none",
+                     "declared" if allowed is None else ", ".join(allowed) or "none",
                      f"paused since {paused.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC"
                      if isinstance(paused, datetime) else "-")
     console.print(fair)
@@ -193,11 +195,27 @@ def job_panel(info: JobInfo) -> None:
         panel.add_row(f"attempt {attempt.get('attempt')}",
                       f"{attempt.get('outcome')} {attempt.get('started_at')} -> {attempt.get('finished_at')} "
                       f"on {where}" + (f": {error}" if error else ""))
+        calls = attempt.get("host_calls")
+        if isinstance(calls, dict):
+            panel.add_row("  host calls", host_calls_text(calls))
     for blocked in info.egress_blocked:
         panel.add_row("egress blocked", f"{blocked['reason']} (batch {blocked['batch_id']})")
     for reason in info.why_waiting:
         panel.add_row("waiting", reason)
     console.print(panel)
+
+
+def host_calls_text(calls: dict[str, Any]) -> Text:
+    """An attempt's host-function calls: the counts, then one line per
+    listed call (name, outcome, milliseconds). Text, never markup."""
+    listed = calls.get("calls") or []
+    count = int(calls.get("count") or 0)
+    lines = [f"{count} call(s), {int(calls.get('errors') or 0)} not ok, "
+             f"{float(calls.get('seconds') or 0) * 1000:.1f} ms in all"]
+    lines += [f"{c.get('name')}: {c.get('outcome')} in {float(c.get('ms') or 0):.1f} ms" for c in listed]
+    if count > len(listed):
+        lines.append(f"... and {count - len(listed)} more (the first {len(listed)} are listed)")
+    return Text("\n".join(lines))
 
 
 def dead_table(rows: list[dict[str, Any]]) -> None:

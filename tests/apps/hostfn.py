@@ -114,3 +114,10 @@ def nocalls(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
             conn.sendall(b"%010d\n" % len(body) + body)
             out["raw"] = FrameFile(conn.fileno()).read()
     return out
+
+
+@tenantq.handler("hostfn.mixed", host_functions=["noop", "boom"], timeout=30)
+def mixed(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
+    """One call of each outcome: ok, error (the function raised), refused
+    (not declared); what its attempt's record and its batch's must count."""
+    return {name: _attempt(ctx, name, {"pad": "x" * 100}) for name in ("noop", "boom", "orders.everyone")}

@@ -153,7 +153,7 @@ def test_a_jobs_attempt_history_reads_the_primary_key(seeded: Database) -> None:
 def test_settle_and_expire_use_lease_indexes(seeded: Database) -> None:
     settle = _scans(_plan(seeded, sql("jobs", "settle"), {
         "batch_id": 1, "ids": [1, 2], "statuses": ["done", "done"], "results": [None, None],
-        "errors": [None, None], "delays": [0.0, 0.0], "now": None,
+        "errors": [None, None], "delays": [0.0, 0.0], "host_calls": [None, None], "now": None,
     }), "jobs")
     assert all(kind != "Seq Scan" for kind, _ in settle), settle
     expire = _plan(seeded, sql("batches", "expire"), {"now": None})

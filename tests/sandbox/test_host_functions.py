@@ -67,3 +67,27 @@ def test_a_batch_gets_its_stated_number_of_calls(driver_name: str, cli: Cli, que
     assert info.status == "done", info.last_error
     assert info.result == {"ok": 1000, "errors": ["refused: this batch made its 1000 calls"]}, info.result
     assert queue.job(echo).status == "done"
+
+
+def test_the_calls_of_sandboxed_jobs_are_on_their_attempts_and_their_batch(
+        driver_name: str, cli: Cli, queue: Queue, app_schema: AppSchema) -> None:
+    """Counted by the host per job of the batch (the connection's job as the
+    host recorded it), with the tenant's own restriction applied."""
+    queue.set_tenant("acme", host_functions="noop,boom")
+    mixed, flood = queue.enqueue_many([JobSpec(tenant="acme", kind="hostfn.mixed"),
+                                       JobSpec(tenant="acme", kind="hostfn.flood", payload={"calls": 5})])
+    queue.set_tenant("globex", host_functions="boom")
+    restricted = queue.enqueue("globex", "hostfn.mixed")
+    _worker(cli, driver_name, app_schema, "--batch-size", "5", "--concurrency", "1")
+    first, second, third = (queue.job(i) for i in (mixed, flood, restricted))
+    calls = [(c["name"], c["outcome"]) for c in first.attempts_history[-1]["host_calls"]["calls"]]
+    assert calls == [("noop", "ok"), ("boom", "error"), ("orders.everyone", "refused")], first
+    assert second.attempts_history[-1]["host_calls"]["count"] == 5, second.attempts_history
+    assert third.result["noop"]["error"].startswith("refused: tenant 'globex' may not call"), third
+    with queue.db.connect() as conn:
+        rows = conn.execute("SELECT tenant_id, host_calls FROM batches ORDER BY batch_id").fetchall()
+    by_tenant = {r["tenant_id"]: r["host_calls"] for r in rows}
+    assert {k: by_tenant["acme"][k] for k in ("calls", "errors", "refused")} == \
+        {"calls": 7, "errors": 1, "refused": 1}, by_tenant
+    assert {k: by_tenant["globex"][k] for k in ("calls", "errors", "refused")} == \
+        {"calls": 1, "errors": 1, "refused": 2}, by_tenant

@@ -50,6 +50,27 @@ def _job_id(value: object) -> int:
     return value
 
 
+# the most names a tenant's restriction holds (tenants.host_function_count)
+MAX_TENANT_HOST_FUNCTIONS = 256
+
+
+def _host_functions(value: str | list[str]) -> list[str] | None:
+    """A tenant's host-function restriction as stored: None for "*" (every
+    function its handlers declare), else the names, checked and deduplicated
+    ("" or []: none)."""
+    names = value if isinstance(value, list) else [n.strip() for n in value.split(",") if n.strip()]
+    if names == ["*"]:
+        return None
+    if "*" in names:
+        raise InvalidInput('--host-functions: "*" (every declared function) stands alone')
+    if len(set(names)) > MAX_TENANT_HOST_FUNCTIONS:
+        raise InvalidInput(f"--host-functions: at most {MAX_TENANT_HOST_FUNCTIONS} names, "
+                           f"got {len(set(names))}")
+    for name in names:
+        validation.kind(name, "host function name")
+    return sorted(set(names))
+
+
 def _retention(value: object, what: str) -> float | None:
     """A retention override in seconds; None for none given or "default"."""
     if value is None or (isinstance(value, str) and value.strip() == "default"):
@@ -244,12 +265,15 @@ class Operations:
         self, tenant: str, *, weight: int | None = None, max_sandboxes: int | None = None,
         egress: str | list[str] | None = None, retain_done: str | float | None = None,
         retain_cancelled: str | float | None = None, retain_dead: str | float | None = None,
+        host_functions: str | list[str] | None = None,
     ) -> Steps[dict[str, Any]]:
         """Set a tenant's weight, cap (max_sandboxes=0 removes the cap),
         egress rules ("api.stripe.com,*.salesforce.com:443"; "" = none)
         and/or retention overrides: how long its finished jobs are kept, per
         final status, as seconds or "30d", "12h"...; "default" goes back to
-        the workers' TENANTQ_RETAIN_* (docs/retention.md). None leaves a
+        the workers' TENANTQ_RETAIN_* (docs/retention.md); the host functions
+        its handlers may call ("orders.for_month,crm.lookup"; "" = none;
+        "*" = every one they declare, docs/tenant-data.md). None leaves a
         setting as it is."""
         validation.tenant_id(tenant)
         rules = None if egress is None else [str(r) for r in parse_rules(egress)]
@@ -261,10 +285,12 @@ class Operations:
         for status, value in (("done", retain_done), ("cancelled", retain_cancelled), ("dead", retain_dead)):
             retention[f"retain_{status}_set"] = value is not None
             retention[f"retain_{status}"] = _retention(value, f"retain-{status}")
+        functions = None if host_functions is None else _host_functions(host_functions)
         rows = yield Query(sql("tenants", "upsert"), {
             "tenant_id": tenant, "weight": weight,
             "max_sandboxes": max_sandboxes or None, "clear_cap": max_sandboxes == 0,
             "egress": rules, **retention,
+            "host_functions_set": host_functions is not None, "host_functions": functions,
         })
         return dict(rows[0])
 

@@ -39,7 +39,7 @@ from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob
-from tenantq.sandbox.executor import EgressUsed, JobEnded, JobStarted
+from tenantq.sandbox.executor import EgressUsed, Event, HostCallsUsed, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, ClaimedJob, Settlement
@@ -84,6 +84,7 @@ class BatchRun:
         self._started_at: dict[int, float] = {}
         self._run_histogram = metrics.JOB_RUN.labels(batch.priority)
         self.egress: EgressUsed | None = None
+        self.host_calls: dict[str, Any] | None = None
 
     # -- what the executor reports ---------------------------------------
     def wall_seconds(self) -> float:
@@ -107,15 +108,18 @@ class BatchRun:
         if self.pending:
             self._write(end_outcome=None)
 
-    def report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
+    def report(self, event: Event) -> None:
         with self._lock:
             self._report(event)
 
-    def _report(self, event: JobStarted | JobEnded | EgressUsed) -> None:
+    def _report(self, event: Event) -> None:
         if self.finished:
             return  # a late event from an executor's thread: the batch is settled
         if isinstance(event, EgressUsed):
             self.egress = event  # written with the end of the batch
+            return
+        if isinstance(event, HostCallsUsed):
+            self.host_calls = event.record  # likewise
             return
         job_id = event.job_id
         job = self.jobs.get(job_id)
@@ -138,12 +142,13 @@ class BatchRun:
         if self.worker.cancels.requested(job_id):
             # the host's own record of the request decides, whatever the
             # executor reported (rule H2); the attempt ends `cancelled`
-            self.pending.append(Settlement(job_id, "cancelled", error=cancelled_error(event.ok, event.error)))
+            settlement = Settlement(job_id, "cancelled", error=cancelled_error(event.ok, event.error))
         elif event.ok:
-            self.pending.append(succeeded(job, event.result, backoff=backoff))
+            settlement = succeeded(job, event.result, backoff=backoff)
         else:
-            self.pending.append(failed(job, str(event.error or "failed"), backoff=backoff,
-                                       retryable=event.retryable is not False))
+            settlement = failed(job, str(event.error or "failed"), backoff=backoff,
+                                retryable=event.retryable is not False)
+        self.pending.append(replace(settlement, host_calls=event.host_calls))
         since = time.monotonic() - self.last_flush
         if since >= self.worker.config.flush_seconds or self.worker.cancels.requested(job_id):
             self._write(end_outcome=None)
@@ -251,7 +256,7 @@ class BatchRun:
 
     def _end(self, outcome: str | None, release: Sequence[int], *, extras: bool = True) -> dict[str, Any]:
         """jobs.settle's arguments that end the batch (none for a flush).
-        Without `extras`: no egress record and no runtime charge, the end
+        Without `extras`: no egress or host-call record and no runtime charge, the end
         that is left when Postgres refused those."""
         if outcome is None:
             return {}
@@ -262,6 +267,7 @@ class BatchRun:
             "ran_jobs": len(self.ended - self.undecodable),
             "charge_runtime": extras and self.worker.config.fair_by is Mode.RUNTIME,
             "egress": None if egress is None else (egress.record, egress.blocks),
+            "host_calls": self.host_calls if extras else None,
         }
 
     def _store(self, settlements: Sequence[Settlement], end: dict[str, Any], conn: Conn) -> list[int]:
@@ -298,7 +304,8 @@ class BatchRun:
         # a cancel that came after the job's end was reported still wins
         # (the host's record, rule H2): no retry, no result
         settlements = [s if s.status == "cancelled" or not self.worker.cancels.requested(s.job_id)
-                       else Settlement(s.job_id, "cancelled", error="cancelled while running: it had ended")
+                       else Settlement(s.job_id, "cancelled", error="cancelled while running: it had ended",
+                                       host_calls=s.host_calls)
                        for s in self.pending]
         self.pending = []
         self.last_flush = time.monotonic()
@@ -334,7 +341,7 @@ class BatchRun:
             # the stuck job back; the unstarted jobs go back now
             ends = [{"release": list(release)}]
         else:
-            # then without the egress record and the runtime charge
+            # then without the egress and host-call records and the runtime charge
             ends = [self._end(end_outcome, release), self._end(end_outcome, release, extras=False)]
         for end in ends:
             try:

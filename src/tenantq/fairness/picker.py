@@ -105,6 +105,9 @@ def claim_next(
                 notes.token_in(rates.refill_seconds(float(str(tokens)), float(str(r["rate_per_second"]))))
         capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
         egress_of = {str(r["tenant_id"]): tuple(str(e) for e in (r["egress"] or ())) for r in rows}  # type: ignore[attr-defined]
+        host_functions_of = {str(r["tenant_id"]): None if r["host_functions"] is None
+                             else tuple(str(f) for f in r["host_functions"])  # type: ignore[attr-defined]
+                             for r in rows}
         # runtime mode: until a queue has history, assume a batch costs one quantum
         default_est = request.quantum_seconds / max(1, request.batch_size)
         estimates = {str(r["tenant_id"]): drr.estimate(r["avg_job_seconds"], default=default_est)
@@ -149,8 +152,10 @@ def claim_next(
                 continue
             if limits is not None:
                 rates.take(conn, limits, Counter(j.kind for j in batch.jobs), now=now)
-            # the tenant's egress rules travel with the batch to its sandbox
-            batch = replace(batch, egress=egress_of[visit.tenant_id])
+            # the tenant's egress rules and host-function restriction travel
+            # with the batch to its sandbox
+            batch = replace(batch, egress=egress_of[visit.tenant_id],
+                            host_functions=host_functions_of[visit.tenant_id])
             est = estimates[visit.tenant_id]
             deficit, keep_turn = drr.charge(visit, claimed=len(batch.jobs), mode=request.fair_by,
                                             est_job_cost=est)

@@ -30,7 +30,7 @@ from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.egress import EgressConfig, EgressProxies
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
+from tenantq.sandbox.executor import HostCallsUsed, JobEnded, JobStarted, Report
 from tenantq.sandbox.host_calls import SOCKET_NAME as HOST_CALLS_SOCKET
 from tenantq.sandbox.host_calls import CallServer
 from tenantq.sandbox.inline import InlineExecutor
@@ -188,6 +188,8 @@ class SandboxExecutor:
             finally:
                 if calls is not None:
                     calls.close()
+                    if (record := calls.gate.batch_record()) is not None:
+                        report(HostCallsUsed(record))
                 if proxy is not None:
                     report(self.egress.close(proxy))
             if ended.fatal:
@@ -240,7 +242,7 @@ class SandboxExecutor:
             return None if job is None else Caller(job.id, job.kind, job.actor)
 
         gate = CallGate(self.registry, batch.tenant_id, current, database=self.inline.app_db,
-                        limits=self.inline.call_limits)
+                        limits=self.inline.call_limits, allowed=batch.host_functions)
         return CallServer(server.sandbox.egress_dir / HOST_CALLS_SOCKET, gate)
 
     def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:

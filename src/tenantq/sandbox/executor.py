@@ -37,6 +37,8 @@ class JobEnded:
     # measured run time, when the executor knows it better than the
     # dispatcher's clock between start and end events (a sandbox's guest)
     seconds: float | None = None
+    # its host-function calls, counted by the host's gate (host_functions.py)
+    host_calls: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,16 @@ class EgressUsed:
     blocks: tuple[dict[str, Any], ...] = ()
 
 
-Report = Callable[[JobStarted | JobEnded | EgressUsed], None]
+@dataclass(frozen=True)
+class HostCallsUsed:
+    """What the batch's host-function calls cost (sent once, at the end of a
+    batch that made any): counts for the batch record."""
+
+    record: dict[str, Any]
+
+
+Event = JobStarted | JobEnded | EgressUsed | HostCallsUsed
+Report = Callable[[Event], None]
 
 
 class BatchExecutor(Protocol):

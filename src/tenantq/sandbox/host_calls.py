@@ -72,8 +72,9 @@ class CallServer:
             threading.Thread(target=self._serve, args=(conn, generation, caller), name="tenantq-hostfn",
                              daemon=True).start()
 
-    def job_ended(self) -> None:
-        """The running job ended: its connections, accepted or waiting, are cut."""
+    def job_ended(self, job_id: int) -> dict[str, object] | None:
+        """The running job ended: its connections, accepted or waiting, are
+        cut; returns its calls, for its attempt's record."""
         with self._lock:
             self._generation += 1
             stale = [conn for conn, generation in self._open.items() if generation != self._generation]
@@ -88,6 +89,7 @@ class CallServer:
                 conn.shutdown(socket.SHUT_RDWR)
             if conn not in self._open:
                 conn.close()
+        return self.gate.take_job(job_id)
 
     def _current(self, generation: int) -> bool:
         with self._lock:
@@ -113,21 +115,22 @@ class CallServer:
             return None
         text = header[:-1]
         if header[-1:] != b"\n" or not text.isdigit() or not text.isascii():
-            return self.gate.refuse("refused: a request is a frame: ten digits, a newline, a JSON object")
+            return self.gate.refuse("refused: a request is a frame: ten digits, a newline, a JSON object",
+                                    caller)
         length = int(text)
         limit = self.gate.limits.max_request_bytes
         if length > limit:
-            return self.gate.refuse(f"refused: a request of {length} bytes exceeds {limit}")
+            return self.gate.refuse(f"refused: a request of {length} bytes exceeds {limit}", caller)
         body = _exactly(conn, length)
         if body is None:
             return None
         try:
             request = decode_body(body)
         except FrameError as exc:
-            return self.gate.refuse(f"refused: {exc}")
+            return self.gate.refuse(f"refused: {exc}", caller)
         if not self._current(generation):
             # made by a job that has ended since (C2 killed its processes)
-            return self.gate.refuse("refused: the job that opened this connection has ended")
+            return self.gate.refuse("refused: the job that opened this connection has ended", caller)
         return self.gate.call(request.get("name"), request.get("args"), length, caller=caller)
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from tenantq.host_functions import Caller, CallGate, limits_from_settings
 from tenantq.registry import Cancellation, JobContext, Registry
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
+from tenantq.sandbox.executor import HostCallsUsed, JobEnded, JobStarted, Report
 from tenantq.store.model import Batch, ClaimedJob
 
 if TYPE_CHECKING:
@@ -99,7 +99,15 @@ class InlineExecutor:
         running: list[ClaimedJob] = []
         gate = CallGate(self.registry, batch.tenant_id,
                         lambda: Caller(running[0].id, running[0].kind, running[0].actor) if running else None,
-                        database=self.app_db, limits=self.call_limits)
+                        database=self.app_db, limits=self.call_limits, allowed=batch.host_functions)
+        try:
+            self._each_job(batch, gate, running, env=env, report=report, should_stop=should_stop)
+        finally:
+            if (record := gate.batch_record()) is not None:
+                report(HostCallsUsed(record))
+
+    def _each_job(self, batch: Batch, gate: CallGate, running: list[ClaimedJob], *, env: Mapping[str, str],
+                  report: Report, should_stop: Callable[[], bool]) -> None:
         for job in batch.jobs:
             if should_stop():
                 return
@@ -133,9 +141,12 @@ class InlineExecutor:
             try:
                 result = handler.call(job.payload, ctx)
             except Exception as exc:
-                report(JobEnded(job.id, ok=False, error=describe_exception(exc)))
+                running.clear()  # a call made after the job's end is refused, not counted for it
+                report(JobEnded(job.id, ok=False, error=describe_exception(exc),
+                                host_calls=gate.take_job(job.id)))
             else:
-                report(JobEnded(job.id, ok=True, result=result))
+                running.clear()
+                report(JobEnded(job.id, ok=True, result=result, host_calls=gate.take_job(job.id)))
             finally:
                 running.clear()
                 with self._cancel_lock:

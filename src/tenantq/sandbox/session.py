@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from tenantq.guest.protocol import FrameError
 from tenantq.registry import Registry
@@ -79,9 +80,10 @@ class BatchSession:
         self._cancel_lock = threading.Lock()
         self._seq = -1
         self._skip: set[int] = set()
-        # called as each job ends (its processes are gone: rule C2), e.g. to
-        # cut the host-function connections it made (host_calls.py)
-        self.on_job_end: Callable[[], None] | None = None
+        # called with its id as each job ends (its processes are gone: rule
+        # C2): cuts the host-function connections it made and returns its
+        # calls for its attempt's record (host_calls.py)
+        self.on_job_end: Callable[[int], dict[str, Any] | None] | None = None
 
     def cancel(self, job_id: int) -> None:
         """Stop a job of this batch: the one in flight gets a `cancel` frame
@@ -200,10 +202,9 @@ class BatchSession:
         seconds = max(0.0, time.monotonic() - self._t0)
         with self._cancel_lock:
             self.current = None
-        if self.on_job_end is not None:
-            self.on_job_end()
+        calls = self.on_job_end(event.job_id) if self.on_job_end is not None else None
         self.report(JobEnded(event.job_id, ok=event.ok, result=event.result, error=event.error,
-                             retryable=event.retryable, seconds=seconds))
+                             retryable=event.retryable, seconds=seconds, host_calls=calls))
 
     def _ended(self, out: SessionEnd, detail: str) -> SessionEnd:
         result = self.server.running.wait(10) or self.server.running.stop(detail)

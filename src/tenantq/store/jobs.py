@@ -192,6 +192,7 @@ def settle(
     ran_jobs: int = 0,
     charge_runtime: bool = False,
     egress: tuple[dict[str, int], Sequence[dict[str, Any]]] | None = None,
+    host_calls: dict[str, Any] | None = None,
     now: datetime | None = None,
 ) -> list[int]:
     """Apply settlements under the batch's fencing token, in one transaction.
@@ -201,7 +202,8 @@ def settle(
     LeaseLost (and changes nothing) when the lease is no longer live.
     `run_seconds` is the batch's measured cost; with `charge_runtime` it is
     charged to the queue's DRR deficit (fairness by run time). `egress`: the
-    batch's network counts and refused requests, written with its end.
+    batch's network counts and refused requests, and `host_calls` its
+    host-function counts, written with its end.
     """
     release_ids = list(release)
     if run_seconds is not None and not (math.isfinite(run_seconds) and run_seconds >= 0):
@@ -224,6 +226,8 @@ def settle(
                                 for s in settlements],
                     "errors": [s.error for s in settlements],
                     "delays": [s.delay for s in settlements],
+                    "host_calls": [None if s.host_calls is None else Jsonb(s.host_calls)
+                                   for s in settlements],
                     "now": now,
                 },
             )
@@ -234,6 +238,7 @@ def settle(
             conn.execute(sql("batches", "end"), {
                 "batch_id": batch_id, "outcome": end_outcome, "run_seconds": run_seconds, "now": now,
                 "egress": None if egress is None else Jsonb(egress[0]),
+                "host_calls": None if host_calls is None else Jsonb(host_calls),
             })
             if egress is not None and egress[1]:
                 blocks = egress[1]

@@ -53,6 +53,9 @@ class Batch:
     jobs: tuple[ClaimedJob, ...]
     # the tenant's egress rules when it was claimed; empty = no network
     egress: tuple[str, ...] = ()
+    # the tenant's restriction of host functions when it was claimed; None:
+    # every one its handlers declare
+    host_functions: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Settlement:
     # the result already serialised (by the check that it can be stored), so
     # the settle does not serialise it a second time
     result_json: str | None = None
+    # the attempt's host-function calls, counted by the host (host_functions.py)
+    host_calls: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

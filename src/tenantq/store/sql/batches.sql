@@ -33,7 +33,7 @@ WHERE batch_id = ANY(%(batch_ids)s::bigint[]) AND outcome IN ('ok', 'failed', 'r
 -- name: end
 UPDATE batches
 SET ended_at = coalesce(%(now)s::timestamptz, now()), outcome = %(outcome)s,
-    run_seconds = %(run_seconds)s, egress = %(egress)s
+    run_seconds = %(run_seconds)s, egress = %(egress)s, host_calls = %(host_calls)s
 WHERE batch_id = %(batch_id)s AND ended_at IS NULL;
 
 -- name: set_charged

@@ -185,7 +185,8 @@ WITH clock AS (
 ), outcome AS (
     SELECT *
     FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(results)s::jsonb[], %(errors)s::text[],
-                %(delays)s::double precision[]) AS o(id, status, result, error, delay)
+                %(delays)s::double precision[], %(host_calls)s::jsonb[])
+         AS o(id, status, result, error, delay, host_calls)
 ), settled AS (
     UPDATE jobs j
     -- A job asked to stop while it ran (cancel_requested_at: `tenantq
@@ -206,14 +207,15 @@ WITH clock AS (
     FROM outcome o, clock
     WHERE j.id = o.id AND j.batch_id = %(batch_id)s AND j.status = 'running'
     RETURNING j.id, j.tenant_id, j.priority, j.status, j.run_after, j.kind, j.attempts, j.replays,
-              j.started_at, o.error
+              j.started_at, o.error, o.host_calls
 ), recorded AS (
     INSERT INTO attempts (tenant_id, job_id, attempt, replay, started_at, finished_at, worker_id, driver,
-                          outcome, error)
+                          outcome, error, host_calls)
     SELECT s.tenant_id, s.id, s.attempts, s.replays, coalesce(s.started_at, clock.now), clock.now,
            l.worker_id, l.sandbox_driver,
            CASE WHEN s.status IN ('done', 'cancelled') THEN s.status ELSE 'failed' END,
-           CASE WHEN s.status IN ('done', 'cancelled') THEN s.error ELSE coalesce(s.error, 'failed') END
+           CASE WHEN s.status IN ('done', 'cancelled') THEN s.error ELSE coalesce(s.error, 'failed') END,
+           s.host_calls
     FROM settled s, lease l, clock
 ), woken AS (
     INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
@@ -381,7 +383,7 @@ ORDER BY tenant_id, priority;
 -- name: attempts_of
 -- A job's attempt history, newest first (the job page shows the newest
 -- %(limit)s); the primary key (tenant_id, job_id, id) serves it.
-SELECT attempt, replay, started_at, finished_at, worker_id, driver, outcome, error,
+SELECT attempt, replay, started_at, finished_at, worker_id, driver, outcome, error, host_calls,
        extract(epoch FROM finished_at - started_at)::double precision AS seconds
 FROM attempts
 WHERE tenant_id = %(tenant_id)s AND job_id = %(id)s

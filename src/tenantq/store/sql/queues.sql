@@ -64,7 +64,8 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
 -- waits for it. The `rate_columns` block (filled in below): the tenant's
 -- bucket tokens and whether any kind bucket may bound it (rates.py); two
 -- primary-key probes of a small table per candidate.
-(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress, q.kinds,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress, t.host_functions,
+        q.kinds,
         {rate_columns},
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b
@@ -78,7 +79,8 @@ ON CONFLICT (tenant_id, priority) DO UPDATE
         OR q.kinds_due <= coalesce(%(now)s::timestamptz, now()))
  ORDER BY q.tenant_id LIMIT %(limit)s)
 UNION ALL
-(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress, q.kinds,
+(SELECT q.tenant_id, q.deficit, q.avg_job_seconds, t.weight, t.max_sandboxes, t.egress, t.host_functions,
+        q.kinds,
         {rate_columns},
         CASE WHEN t.max_sandboxes IS NULL THEN 0 ELSE
             (SELECT count(*) FROM batches b

@@ -32,7 +32,11 @@ CREATE TABLE tenants (
     retain_cancelled_seconds double precision
         CONSTRAINT retain_cancelled_seconds_finite CHECK (retain_cancelled_seconds IS NULL OR (retain_cancelled_seconds >= 0 AND retain_cancelled_seconds < 'Infinity'::float8)),
     retain_dead_seconds double precision
-        CONSTRAINT retain_dead_seconds_finite CHECK (retain_dead_seconds IS NULL OR (retain_dead_seconds >= 0 AND retain_dead_seconds < 'Infinity'::float8))
+        CONSTRAINT retain_dead_seconds_finite CHECK (retain_dead_seconds IS NULL OR (retain_dead_seconds >= 0 AND retain_dead_seconds < 'Infinity'::float8)),
+    -- the host functions its handlers may call: NULL every one they
+    -- declare, else only these (empty: none)
+    host_functions text[]
+        CONSTRAINT host_function_count CHECK (host_functions IS NULL OR cardinality(host_functions) <= 256)
 );
 
 -- One row per (tenant, priority class) that ever had a job: the scheduler's
@@ -115,7 +119,9 @@ CREATE TABLE batches (
         CONSTRAINT charged_seconds_nonnegative CHECK (charged_seconds IS NULL OR charged_seconds >= 0)
         CONSTRAINT charged_seconds_finite CHECK (charged_seconds IS NULL OR (charged_seconds > '-Infinity'::float8 AND charged_seconds < 'Infinity'::float8)),
     -- network use through the egress proxy (allowed, blocked, bytes_out, bytes_in)
-    egress           jsonb CONSTRAINT egress_is_object CHECK (egress IS NULL OR jsonb_typeof(egress) = 'object')
+    egress           jsonb CONSTRAINT egress_is_object CHECK (egress IS NULL OR jsonb_typeof(egress) = 'object'),
+    -- host-function calls, counted by the host (calls, errors, bytes_in, bytes_out, seconds)
+    host_calls       jsonb CONSTRAINT host_calls_is_object CHECK (host_calls IS NULL OR jsonb_typeof(host_calls) = 'object')
 );
 -- live leases per tenant: occupancy (caps) is counted from here
 CREATE INDEX batches_live ON batches (tenant_id) WHERE ended_at IS NULL;
@@ -232,6 +238,8 @@ CREATE TABLE attempts (
     driver      text NOT NULL,
     outcome     text NOT NULL CONSTRAINT attempt_outcome_known CHECK (outcome IN ('done', 'failed', 'released', 'lost', 'cancelled')),
     error       text,
+    -- its host-function calls (count, errors, seconds, the first calls listed)
+    host_calls  jsonb CONSTRAINT attempt_host_calls_is_object CHECK (host_calls IS NULL OR jsonb_typeof(host_calls) = 'object'),
     CONSTRAINT attempt_failure_has_error CHECK (outcome NOT IN ('failed', 'lost') OR error IS NOT NULL),
     PRIMARY KEY (tenant_id, job_id, id)
 );

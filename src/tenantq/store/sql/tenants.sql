@@ -5,11 +5,13 @@
 -- of 0 from the CLI is mapped to NULL (no cap) before it gets here. The
 -- retention overrides (seconds) are written when their `*_set` flag is
 -- true: a number of seconds, or NULL to go back to the workers' defaults
--- (TENANTQ_RETAIN_DONE / _CANCELLED / _DEAD).
+-- (TENANTQ_RETAIN_DONE / _CANCELLED / _DEAD). The host-function
+-- restriction likewise with `host_functions_set` (NULL: no restriction).
 INSERT INTO tenants AS t (tenant_id, weight, max_sandboxes, egress, retain_done_seconds,
-                          retain_cancelled_seconds, retain_dead_seconds)
+                          retain_cancelled_seconds, retain_dead_seconds, host_functions)
 VALUES (%(tenant_id)s, coalesce(%(weight)s, 1), %(max_sandboxes)s, coalesce(%(egress)s::text[], '{}'),
-        %(retain_done)s::float8, %(retain_cancelled)s::float8, %(retain_dead)s::float8)
+        %(retain_done)s::float8, %(retain_cancelled)s::float8, %(retain_dead)s::float8,
+        %(host_functions)s::text[])
 ON CONFLICT (tenant_id) DO UPDATE
 SET weight = coalesce(%(weight)s, t.weight),
     max_sandboxes = CASE WHEN %(clear_cap)s THEN NULL
@@ -20,9 +22,11 @@ SET weight = coalesce(%(weight)s, t.weight),
     retain_cancelled_seconds = CASE WHEN %(retain_cancelled_set)s THEN %(retain_cancelled)s::float8
                                     ELSE t.retain_cancelled_seconds END,
     retain_dead_seconds = CASE WHEN %(retain_dead_set)s THEN %(retain_dead)s::float8
-                               ELSE t.retain_dead_seconds END
+                               ELSE t.retain_dead_seconds END,
+    host_functions = CASE WHEN %(host_functions_set)s THEN %(host_functions)s::text[]
+                          ELSE t.host_functions END
 RETURNING tenant_id, weight, max_sandboxes, egress, retain_done_seconds, retain_cancelled_seconds,
-          retain_dead_seconds;
+          retain_dead_seconds, host_functions;
 
 -- name: set_paused
 -- `tenantq tenant pause|resume`: the pick skips a paused tenant's queues
@@ -38,7 +42,7 @@ RETURNING tenant_id, paused_at;
 -- The retain_*_seconds columns are the tenant's overrides; NULL: the
 -- workers' defaults.
 SELECT t.tenant_id, t.weight, t.max_sandboxes, t.egress, t.paused_at,
-       t.retain_done_seconds, t.retain_cancelled_seconds, t.retain_dead_seconds,
+       t.retain_done_seconds, t.retain_cancelled_seconds, t.retain_dead_seconds, t.host_functions,
        (SELECT count(*) FROM batches b
         WHERE b.tenant_id = t.tenant_id AND b.ended_at IS NULL AND b.lease_expires_at > now()) AS live_batches,
        (SELECT coalesce(sum(q.deficit), 0) FROM queues q WHERE q.tenant_id = t.tenant_id) AS deficit
