@@ -1,11 +1,14 @@
 """`./run demo` (`python -m tenantq.demo`), run once as a subprocess against
 the real database in a schema of its own; then its output and its rows.
 
-The demo asserts nothing itself; this checks its structure (both scenes, a
+The demo asserts nothing itself; this checks its structure (three scenes, a
 legend under each table, the closing lines) and the properties it claims,
 with generous bounds: deficit round robin keeps the small tenants' first
 attempts far below the wait FIFO would have given them, every poison job
-ends dead with its reason, the interactive reports all ran.
+ends dead with its reason, the interactive reports all ran, each tenant's
+monthly report adds up its own orders only (a real FORCE ROW LEVEL SECURITY
+table, read as a role that is neither owner nor superuser) and mallory's
+tries at acme's orders each fail with their reason or see mallory's rows.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import psycopg
 import pytest
 from psycopg import sql as pgsql
 
-from tenantq.demo import stats, workload
+from tenantq.demo import appdb, scene_reports, stats, workload
 from tenantq.demo.report import LEGEND_PREFIX, closing_lines
 from tenantq.demo.stage import BATCHES_SQL, JOBS_SQL
 from tenantq.settings import Settings
@@ -66,8 +69,14 @@ def demo(server_dsn: str) -> Iterator[DemoRun]:
                              stdin=subprocess.DEVNULL)
         yield DemoRun(db, res.stdout, res.stderr, res.returncode, embedded)
     finally:
+        app, reader = appdb.names(db.schema)
         with psycopg.connect(server_dsn, autocommit=True) as conn:
-            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
+            for name in (db.schema, app):
+                conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(name)))
+            # the demo keeps its role for the next run; this run's is this test's own
+            if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (reader,)).fetchone():
+                conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(reader)))
+                conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(reader)))
 
 
 def _ok(demo: DemoRun) -> DemoRun:
@@ -89,7 +98,9 @@ def test_scene_1_is_drr_within_one_class_and_beats_fifo(demo: DemoRun) -> None:
     assert {r["priority"] for r in scene_one} == {"default"}
     assert query(demo.db, "SELECT count(*) AS n FROM tenants WHERE max_sandboxes IS NOT NULL "
                           "OR weight <> 1")[0]["n"] == 0
-    scene = stats.fair_scene(demo.jobs("priority = 'default'"), demo.batches("default"),
+    # scene 3's reports are in class default too: leave out everything after scene 1
+    bulk_start = min(float(r["created"]) for r in demo.jobs("priority = 'bulk'"))
+    scene = stats.fair_scene(scene_one, [b for b in demo.batches("default") if b["created"] < bulk_start],
                              whale=workload.WHALE, concurrency=4)
     assert scene.seconds_per_row is not None and scene.seconds_per_row > 0
     assert scene.first_whale_batches >= 4  # the whale held every slot when the others arrived
@@ -149,10 +160,65 @@ def test_every_table_has_its_legend(demo: DemoRun) -> None:
     for term in ("wait: from enqueue to the lease", "p50: the tenant's median job", "1st batch:",
                  "FIFO p50* (computed, not measured)", "retried:", "whale:"):
         assert term in one, f"{term!r} missing from scene 1's legend:\n{one}"
-    two = legend(demo.section("Scene 2: waits"))
+    two = legend(demo.section("Scene 2: waits", "Scene 3:"))
     for term in ("wait: from enqueue to the lease", "Why so short:", "Bulk batches recalled:",
                  "without reservation* (computed, not measured)", "bulk p50/max:"):
         assert term in two, f"{term!r} missing from scene 2's legend:\n{two}"
+    three = legend(demo.section("Scene 3: monthly reports"))
+    for term in ("orders / total:", "FORCE ROW LEVEL SECURITY", "seeded*: (computed, not read back)",
+                 "rows of:", "right:", "why:"):
+        assert term in three, f"{term!r} missing from scene 3's legend:\n{three}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DEMO_TIMEOUT + 60)
+def test_scene_3_reports_read_only_their_tenants_orders_through_the_host_function(demo: DemoRun) -> None:
+    _ok(demo)
+    app, reader = appdb.names(demo.db.schema)
+    # the isolation is Postgres's: a policy under FORCE, a role that bypasses none of it
+    table = query(demo.db, "SELECT c.relrowsecurity AND c.relforcerowsecurity AS forced, "
+                           "(SELECT count(*) FROM pg_policy p WHERE p.polrelid = c.oid) AS policies "
+                           "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                           "WHERE n.nspname = %(app)s AND c.relname = 'orders'", {"app": app})
+    assert table == [{"forced": True, "policies": 1}], table
+    role = query(demo.db, "SELECT rolsuper, rolbypassrls, rolcanlogin FROM pg_roles WHERE rolname = %(r)s",
+                 {"r": reader})
+    assert role == [{"rolsuper": False, "rolbypassrls": False, "rolcanlogin": False}], role
+    rows = demo.jobs(f"kind IN ('{scene_reports.REPORT}', '{scene_reports.SNOOP}')")
+    scene = scene_reports.report_scene(rows)
+    assert sorted(r["tenant_id"] for r in scene.reports) == sorted(appdb.ORDERS)
+    for r in scene.reports:
+        orders, total = appdb.expected(r["tenant_id"])
+        assert r["status"] == "done", r
+        assert r["result"] == {"month": appdb.MONTH, "orders": orders, "total": total,
+                               "tenants_seen": [r["tenant_id"]]}, r
+    assert scene.snoop is not None and scene.snoop["status"] == "done", scene.snoop
+    tries = {a["try"]: a for a in scene.attempts}
+    own_orders, own_total = appdb.expected(workload.HOSTILE)
+    victim_id = tries["the victim's id in the args"]
+    assert (victim_id["orders"], victim_id["total"], victim_id["tenants_seen"]) == (
+        own_orders, own_total, [workload.HOSTILE]), victim_id
+    assert tries["SQL in the args"]["error"].startswith(
+        "HostFunctionError: orders.for_month raised InvalidTextRepresentation: invalid input syntax for "
+        "type integer"), tries
+    assert tries["a function it does not declare"]["error"] == (
+        "HostFunctionError: refused: handler 'report.snoop' does not declare host function "
+        "'orders.export_all'"), tries
+    database = tries["the database itself"]
+    if _sandboxed(demo):
+        assert database["error"].startswith("NoAppDatabase: ctx.db():"), database
+    else:  # inline, the tenant-scoped connection: the policy hides acme's rows
+        assert database["orders"] == 0, database
+    assert not scene.leaked()
+    # the output: every try on one line with what it got, then the verdict
+    out = demo.section("Scene 3: monthly reports")
+    for a in scene.attempts:
+        assert f"{a['try']}: {a['call']} -> " in out, f"{a['try']!r} not printed:\n{out}"
+        if "error" in a:
+            assert f"-> {a['error']}" in out
+    assert f"rows of {workload.HOSTILE}" in out
+    assert (f"verdict: {len(appdb.ORDERS)} of {len(appdb.ORDERS)} reports right" in out
+            and f"none got a row of {appdb.VICTIM}'s" in out), out
 
 
 @pytest.mark.slow
@@ -180,6 +246,7 @@ def test_closing_lines_for_a_server_of_ones_own(tmp_path: Path) -> None:
     lines = "\n".join(closing_lines(Settings(database_url="postgresql://db.example/app", data_dir=tmp_path),
                                     "tenantq_demo", embedded_was_running=False))
     assert "TENANTQ_DATABASE_URL" in lines and "schema tenantq_demo" in lines
+    assert "tenantq_demo_app CASCADE" in lines and "DROP ROLE tenantq_demo_reader" in lines
     assert "db stop" not in lines and "embedded" not in lines
 
 

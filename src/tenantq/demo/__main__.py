@@ -1,6 +1,6 @@
 """`python -m tenantq.demo` (the README's first command).
 
-Two scenes on one sandboxed worker (gVisor where runsc works, else
+Three scenes on one sandboxed worker (gVisor where runsc works, else
 bubblewrap; sandboxes restored from a warm template and kept warm per tenant):
 
 1. deficit round robin between tenants of ONE class: a whale's import and
@@ -10,7 +10,12 @@ bubblewrap; sandboxes restored from a warm template and kept warm per tenant):
    per-tenant egress rules; scoped secrets); their waits next to the FIFO
    wait computed from the same rows;
 2. the interactive reservation: interactive reports arriving while the
-   whale's bulk import holds every slot.
+   whale's bulk import holds every slot;
+3. tenant data through a host function: each tenant's sandboxed monthly
+   report reads its orders with `ctx.call("orders.for_month", ...)`, which
+   runs in the dispatcher against an `orders` table under FORCE ROW LEVEL
+   SECURITY (demo/appdb.py, in the same Postgres); mallory's own code tries
+   to read acme's orders and each try fails or sees only mallory's rows.
 
 Every table has legend lines saying what each number measures. The closing
 lines say where Postgres is and, for the embedded one, how to stop it.
@@ -28,12 +33,12 @@ from psycopg import sql as pgsql
 from rich.console import Console
 
 from tenantq import Queue
-from tenantq.demo import scene_fair, scene_reserve, workload
+from tenantq.demo import appdb, scene_fair, scene_reports, scene_reserve, workload
 from tenantq.demo.report import closing_lines, embedded_running, sandboxes_line
 from tenantq.demo.stage import Stage
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
-from tenantq.errors import InvalidInput
+from tenantq.errors import InvalidInput, TenantqError
 from tenantq.registry import REGISTRY, load_app
 from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.drivers import get_driver
@@ -43,6 +48,7 @@ from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.warm import WarmPolicy
 from tenantq.settings import Settings
 from tenantq.store.db import Database
+from tenantq.tenant_data import AppDatabase
 
 APP = "tenantq.demo.handlers"
 
@@ -52,19 +58,33 @@ def _reset_schema(db: Database) -> None:
         conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
 
 
-def _executor(console: Console, sandbox: str, settings: Settings) -> tuple[BatchExecutor, tuple[str, ...]]:
+def _executor(console: Console, sandbox: str, settings: Settings,
+              app_db: AppDatabase | None) -> tuple[BatchExecutor, tuple[str, ...]]:
     """The sandboxed executor and the poison jobs it can contain; without a
-    working sandbox, the inline executor and only the harmless poison job."""
+    working sandbox, the inline executor and only the harmless poison job.
+    `app_db`: scene 3's app database, for the host functions (which run
+    here, in the dispatcher) and inline handlers; never a sandbox's."""
     try:
         driver, chosen = get_driver(sandbox, settings.data_dir)
     except InvalidInput as exc:
         # a segfault or an endless loop would take this process: leave them out
         console.print(f"[bold red]{exc}[/]\nRunning inline instead: fairness is shown, isolation is not; "
                       "the segfault, endless-loop and OOM jobs and the network calls are left out.")
-        return InlineExecutor(REGISTRY), ("demo.parse_invoice",)
+        return InlineExecutor(REGISTRY, app_db=app_db), ("demo.parse_invoice",)
     console.print(chosen)
-    return SandboxExecutor(driver, REGISTRY, APP, policy=WarmPolicy(keep_warm_seconds=30),
-                           egress=EgressConfig(allow_networks=("127.0.0.1/32",))), workload.POISON
+    executor = SandboxExecutor(driver, REGISTRY, APP, policy=WarmPolicy(keep_warm_seconds=30),
+                               egress=EgressConfig(allow_networks=("127.0.0.1/32",)), app_db=app_db)
+    return executor, workload.POISON
+
+
+def _app_database(console: Console, db: Database) -> AppDatabase | None:
+    """Scene 3's app database, (re)created and opened; None (the scene is
+    left out, with the reason) where the demo's user may not create it."""
+    try:
+        return AppDatabase(appdb.create(db.dsn, db.schema)).open()
+    except TenantqError as exc:
+        console.print(f"[bold red]{exc}[/]\nScene 3 (tenant data through a host function) is left out.")
+        return None
 
 
 @click.command()
@@ -86,9 +106,10 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, batch_size: int, sa
     was_running = not settings.database_url and embedded_running(settings.data_dir)
     db = Database.resolve(schema=schema)
     console.print(f"[bold]tenantq demo[/] on {db.dsn.split('@')[-1]} (schema {schema})")
-    executor, poison = _executor(console, sandbox, settings)
-    sandboxed = executor.name != "inline"
     _reset_schema(db)
+    app_db = _app_database(console, db)
+    executor, poison = _executor(console, sandbox, settings, app_db)
+    sandboxed = executor.name != "inline"
     q = Queue(db.dsn, schema=schema)
     q.migrate()
     crm = workload.CRMServer()
@@ -109,11 +130,18 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, batch_size: int, sa
                                  crm=crm.url if sandboxed else None)
         console.print()
         scene_reserve.run(stage, seconds_per_row=fair.seconds_per_row, start_row=whale_jobs)
+        if app_db is not None:
+            console.print()
+            app_schema, reader = appdb.names(schema)
+            scene_reports.run(stage, app_schema=app_schema, reader=reader)
     finally:
         worker.stop()
         runner.join()
         crm.close()
         q.close()
+        # after the worker: its last host-function calls may still hold a connection
+        if app_db is not None:
+            app_db.close()
     console.print()
     line = sandboxes_line(executor.name)
     if line:

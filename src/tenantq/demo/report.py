@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from tenantq.demo.appdb import names
 from tenantq.observe import metrics
 from tenantq.settings import Settings
 from tenantq.store.embedded import embedded_pgdata
@@ -52,9 +53,12 @@ def closing_lines(settings: Settings, schema: str, *, embedded_was_running: bool
     env = f"TENANTQ_SCHEMA={schema}"
     lines = [f"Look around: {env} .venv/bin/tenantq dashboard (then open http://127.0.0.1:8080/) · "
              f"{env} .venv/bin/tenantq status · {env} .venv/bin/tenantq dead list"]
+    app, reader = names(schema)
     if settings.database_url:
         lines.append(f"Postgres: the server in TENANTQ_DATABASE_URL; the demo's tables are in schema "
-                     f"{schema} (recreated on every run; DROP SCHEMA {schema} CASCADE removes it).")
+                     f"{schema} and its app's orders in {app} (recreated on every run; DROP SCHEMA {schema}, "
+                     f"{app} CASCADE removes them; the NOLOGIN role {reader} is kept for the next run: "
+                     f"DROP ROLE {reader} after that).")
         return lines
     pgdata = embedded_pgdata(settings.data_dir)
     how = "was already running" if embedded_was_running else "was started by this demo"
