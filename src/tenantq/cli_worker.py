@@ -61,13 +61,15 @@ from tenantq.errors import TenantqError
                    "(default: TENANTQ_APP_DATABASE_URL).")
 @click.option("--app-db-role", default=None, metavar="ROLE",
               help="SET LOCAL ROLE in every ctx.db() transaction (a role without BYPASSRLS).")
+@click.option("--store-connections", type=click.IntRange(2, 1000), default=None,
+              help="Most connections to tenantq's own database (default: concurrency + 2, at most 20).")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
            on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
            snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
            hibernate_after: float | None, work_mb: int, app_db_url: str | None,
-           app_db_role: str | None) -> None:
+           app_db_role: str | None, store_connections: int | None) -> None:
     """Run jobs: lease batches fairly, run them, settle every job.
 
     \b
@@ -116,7 +118,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
                               poll_seconds=poll_seconds, once=once,
                               backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
                               fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
-                              interactive_share=interactive_share)
+                              interactive_share=interactive_share, store_connections=store_connections)
         w = Worker(db_, executor, config, secrets=secrets.for_tenant,
                    alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
         if metrics_port is not None:

@@ -10,8 +10,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from tenantq.dispatch.outcome import Backoff
+from tenantq.errors import InvalidInput
 from tenantq.fairness.drr import Mode
 from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE
+
+# A worker's connections to tenantq's store when not set: one per slot up
+# to this many. A slot holds one only to claim and to settle (short
+# transactions), so more slots share them; without the bound, 200 slots
+# would open 200 connections and crowd out everything else on the server
+# (`./run bench host-connections` found the app database's pool refused
+# with "too many clients" behind them).
+DEFAULT_MAX_STORE_CONNECTIONS = 20
 
 
 def default_worker_id() -> str:
@@ -36,6 +45,18 @@ class WorkerConfig:
     max_failures: int = 10
     # a slot waits min(this * 2 ** n, 30) s after its n-th failed batch in a row
     failure_backoff_seconds: float = 0.5
+    # the most connections to tenantq's store (claims, settles, maintenance);
+    # None: concurrency + 2, at most DEFAULT_MAX_STORE_CONNECTIONS
+    store_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.store_connections is not None and not 2 <= self.store_connections <= 1000:
+            raise InvalidInput(f"store connections must be 2-1000, got {self.store_connections}")
+
+    def store_pool_size(self) -> int:
+        if self.store_connections is not None:
+            return self.store_connections
+        return min(self.concurrency + 2, DEFAULT_MAX_STORE_CONNECTIONS)
 
 
 @dataclass

@@ -114,7 +114,7 @@ class Worker:
     def run(self) -> WorkerStats:
         """Run until stop() (or, with once=True, until nothing is runnable)."""
         cfg = self.config
-        self._pool = self.db.pool(min_size=1, max_size=cfg.concurrency + 2, name=cfg.worker_id, check=False)
+        self._pool = self.db.pool(min_size=1, max_size=cfg.store_pool_size(), name=cfg.worker_id, check=False)
         listener = Listener(self.db, self.wakeup, self.stopping,
                             on_interactive=self._interactive_notified, on_cancel=self.cancels.request)
         maintenance = Maintenance(self._pool, self.leases, lease_seconds=cfg.lease_seconds,
