@@ -11,6 +11,8 @@ from bench import (
     chaos,
     egress,
     fairness,
+    host_connections,
+    host_functions,
     producer,
     sandbox,
     sandbox_api,
@@ -32,6 +34,8 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "producer": producer.run,
     "soak": soak.run,
     "sandbox-api": sandbox_api.run,
+    "host-functions": host_functions.run,
+    "host-connections": host_connections.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
@@ -47,6 +51,9 @@ SMALL: dict[str, dict[str, Any]] = {
              "plot": False},
     "sandbox-api": {"n": 2},
     "chaos": {"jobs": 60, "kills": 1, "postgres_restart": False, "healthy_jobs": 4, "waves": 1},
+    "host-functions": {"rounds": 2, "trivial_calls": 20, "select_calls": 10, "warmup": 2, "tenants": 2,
+                       "rows_per_tenant": 150},
+    "host-connections": {"batches": 6, "pool": 2, "quick": 2},
 }
 
 
