@@ -60,13 +60,19 @@ def test_a_sandboxed_handler_calls_only_its_host_functions_in_its_tenant(
 
 def test_a_batch_gets_its_stated_number_of_calls(driver_name: str, cli: Cli, queue: Queue,
                                                   app_schema: AppSchema) -> None:
-    flood, echo = queue.enqueue_many([JobSpec(tenant="acme", kind="hostfn.flood", payload={"calls": 1010}),
+    """10,000 calls: the first 1,000 answered, the rest refused in one line
+    each, while the other tenant's batch beside it runs normally."""
+    flood, echo = queue.enqueue_many([JobSpec(tenant="acme", kind="hostfn.flood", payload={"calls": 10_000}),
                                       JobSpec(tenant="acme", kind="hostfn.nocalls")])
-    _worker(cli, driver_name, app_schema, "--batch-size", "5", "--concurrency", "1")
+    neighbour = queue.enqueue("globex", "hostfn.report", {"other": "acme"})
+    _worker(cli, driver_name, app_schema, "--batch-size", "5", "--concurrency", "2")
     info = queue.job(flood)
     assert info.status == "done", info.last_error
     assert info.result == {"ok": 1000, "errors": ["refused: this batch made its 1000 calls"]}, info.result
+    assert info.attempts_history[-1]["host_calls"]["count"] == 10_000
     assert queue.job(echo).status == "done"
+    other = queue.job(neighbour)
+    assert other.status == "done" and other.result["mine"]["ids"] == ROWS["globex"], other
 
 
 def test_the_calls_of_sandboxed_jobs_are_on_their_attempts_and_their_batch(
