@@ -7,68 +7,59 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import pytest
 from prometheus_client import CollectorRegistry, Counter, make_asgi_app
 from starlette.types import ASGIApp
 
 from tenantq import Queue
 from tenantq.web.app import create_app
+from tests.web.browser import chromium_page, needs_chromium
 from tests.web.conftest import Seeded, csrf_of
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 TOKEN = "s3cret-dashboard-token"
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium)")
+@needs_chromium
 def test_browser_overview_job_page_and_retry(queue: Queue, seeded: Seeded, dashboard: str) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     dead_id = seeded.dead[0]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(f"{dashboard}/")
-            tenants = page.locator("#tenants")
-            for tenant in ("acme", "globex", "initech"):
-                expect(tenants.locator(f'tr[data-tenant="{tenant}"]')).to_be_visible()
-            expect(tenants.locator('tr[data-tenant="acme"]')).to_contain_text("3")  # weight
-            expect(tenants.locator('tr[data-tenant="acme"] td.egress')).to_have_text(
-                "api.stripe.com, *.salesforce.com:443")
-            expect(tenants.locator('tr[data-tenant="globex"] td.egress')).to_have_text("none")
-            expect(page.locator("#batches")).to_contain_text("gvisor")
-            expect(page.locator("#failures")).to_contain_text("boom on attempt 1")
+    with chromium_page() as page:
+        page.goto(f"{dashboard}/")
+        tenants = page.locator("#tenants")
+        for tenant in ("acme", "globex", "initech"):
+            expect(tenants.locator(f'tr[data-tenant="{tenant}"]')).to_be_visible()
+        expect(tenants.locator('tr[data-tenant="acme"]')).to_contain_text("3")  # weight
+        expect(tenants.locator('tr[data-tenant="acme"] td.egress')).to_have_text(
+            "api.stripe.com, *.salesforce.com:443")
+        expect(tenants.locator('tr[data-tenant="globex"] td.egress')).to_have_text("none")
+        expect(page.locator("#batches")).to_contain_text("gvisor")
+        expect(page.locator("#failures")).to_contain_text("boom on attempt 1")
 
-            # a job page: payload, attempts, result
-            page.click(f'#dead tr[data-job="{dead_id}"] a')
-            expect(page.locator("h1")).to_contain_text(f"Job {dead_id}")
-            expect(page.locator("#last-error")).to_contain_text("boom on attempt 1")
-            expect(page.locator("#egress-blocked")).to_contain_text("pastebin.com:443 is not allowed")
-            page.goto(f"{dashboard}/jobs/{seeded.done[0]}")
-            expect(page.locator("#result")).to_contain_text('"hello": "acme"')
+        # a job page: payload, attempts, result
+        page.click(f'#dead tr[data-job="{dead_id}"] a')
+        expect(page.locator("h1")).to_contain_text(f"Job {dead_id}")
+        expect(page.locator("#last-error")).to_contain_text("boom on attempt 1")
+        expect(page.locator("#egress-blocked")).to_contain_text("pastebin.com:443 is not allowed")
+        page.goto(f"{dashboard}/jobs/{seeded.done[0]}")
+        expect(page.locator("#result")).to_contain_text('"hello": "acme"')
 
-            # retry a dead job from the overview; it comes back pending
-            page.goto(f"{dashboard}/")
-            page.click(f'[data-testid="retry-{dead_id}"]')
-            expect(page.locator(".notice.ok")).to_contain_text("pending again")
-            expect(page.locator(f'#dead tr[data-job="{dead_id}"]')).to_have_count(0)
-            assert queue.job(dead_id).status == "pending"
-            page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+        # retry a dead job from the overview; it comes back pending
+        page.goto(f"{dashboard}/")
+        page.click(f'[data-testid="retry-{dead_id}"]')
+        expect(page.locator(".notice.ok")).to_contain_text("pending again")
+        expect(page.locator(f'#dead tr[data-job="{dead_id}"]')).to_have_count(0)
+        assert queue.job(dead_id).status == "pending"
+        page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
 
-            page.goto(f"{dashboard}/jobs/{dead_id}")
-            expect(page.locator("h1 .badge")).to_have_text("pending")
-            expect(page.locator("#why")).to_be_visible()
-            page.goto(f"{dashboard}/jobs/{seeded.pending[0]}")
-            expect(page.locator("#why")).to_contain_text("in the future")
-            page.screenshot(path=str(artifacts / "dashboard-job.png"), full_page=True)
-        finally:
-            browser.close()
+        page.goto(f"{dashboard}/jobs/{dead_id}")
+        expect(page.locator("h1 .badge")).to_have_text("pending")
+        expect(page.locator("#why")).to_be_visible()
+        page.goto(f"{dashboard}/jobs/{seeded.pending[0]}")
+        expect(page.locator("#why")).to_contain_text("in the future")
+        page.screenshot(path=str(artifacts / "dashboard-job.png"), full_page=True)
 
 
 def test_overview_lists_everything(seeded: Seeded, dashboard: str) -> None:

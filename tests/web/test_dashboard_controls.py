@@ -8,21 +8,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tenantq import Queue
+from tests.web.browser import chromium_page, needs_chromium
 from tests.web.conftest import Seeded, csrf_of
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium)")
+@needs_chromium
 def test_browser_schedules_pause_resume_and_cancel(queue: Queue, seeded: Seeded, dashboard: str) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     daily = queue.add_schedule("acme", "demo.hello", "0 9 * * *", timezone="Europe/Paris")
     hourly = queue.add_schedule("globex", "demo.noop", "@hourly")
@@ -32,63 +28,58 @@ def test_browser_schedules_pause_resume_and_cancel(queue: Queue, seeded: Seeded,
 
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(f"{dashboard}/")
-            schedules = page.locator("#schedules")
-            row = schedules.locator(f'tr[data-schedule="{daily["schedule_id"]}"]')
-            for cell in ("acme", "demo.hello", "0 9 * * *", "Europe/Paris"):
-                expect(row).to_contain_text(cell)
-            expect(row.locator("td.next-fire")).to_contain_text("09:00 CET")
-            expect(row.locator("td.next-fire")).to_contain_text("(in ")
-            expect(row.locator("td.paused")).to_have_text("no")
-            other = schedules.locator(f'tr[data-schedule="{hourly["schedule_id"]}"]')
-            expect(other.locator("td.paused .badge")).to_have_text("paused")
+    with chromium_page() as page:
+        page.goto(f"{dashboard}/")
+        schedules = page.locator("#schedules")
+        row = schedules.locator(f'tr[data-schedule="{daily["schedule_id"]}"]')
+        for cell in ("acme", "demo.hello", "0 9 * * *", "Europe/Paris"):
+            expect(row).to_contain_text(cell)
+        expect(row.locator("td.next-fire")).to_contain_text("09:00 CET")
+        expect(row.locator("td.next-fire")).to_contain_text("(in ")
+        expect(row.locator("td.paused")).to_have_text("no")
+        other = schedules.locator(f'tr[data-schedule="{hourly["schedule_id"]}"]')
+        expect(other.locator("td.paused .badge")).to_have_text("paused")
 
-            # pause acme: its row says so, and so does its job's page
-            tenants = page.locator("#tenants")
-            page.click('[data-testid="pause-acme"]')
-            expect(page.locator("#notice")).to_contain_text("Paused tenant acme")
-            expect(tenants.locator('tr[data-tenant="acme"] .badge.s-paused')).to_have_text("paused")
-            expect(tenants.locator('tr[data-tenant="globex"] .badge.s-paused')).to_have_count(0)
-            expect(page.locator('[data-testid="resume-acme"]')).to_be_visible()
-            assert queue.tenants("acme")[0]["paused_at"] is not None
-            page.screenshot(path=str(artifacts / "dashboard-controls.png"), full_page=True)
-            page.goto(f"{dashboard}/jobs/{pending}")
-            expect(page.locator("#tenant-paused")).to_contain_text("tenant acme is paused")
-            expect(page.locator("#why")).to_contain_text("tenant acme is paused")
+        # pause acme: its row says so, and so does its job's page
+        tenants = page.locator("#tenants")
+        page.click('[data-testid="pause-acme"]')
+        expect(page.locator("#notice")).to_contain_text("Paused tenant acme")
+        expect(tenants.locator('tr[data-tenant="acme"] .badge.s-paused')).to_have_text("paused")
+        expect(tenants.locator('tr[data-tenant="globex"] .badge.s-paused')).to_have_count(0)
+        expect(page.locator('[data-testid="resume-acme"]')).to_be_visible()
+        assert queue.tenants("acme")[0]["paused_at"] is not None
+        page.screenshot(path=str(artifacts / "dashboard-controls.png"), full_page=True)
+        page.goto(f"{dashboard}/jobs/{pending}")
+        expect(page.locator("#tenant-paused")).to_contain_text("tenant acme is paused")
+        expect(page.locator("#why")).to_contain_text("tenant acme is paused")
 
-            page.goto(f"{dashboard}/")
-            page.click('[data-testid="resume-acme"]')
-            expect(page.locator("#notice")).to_contain_text("Resumed tenant acme")
-            expect(tenants.locator('tr[data-tenant="acme"] .badge.s-paused')).to_have_count(0)
-            assert queue.tenants("acme")[0]["paused_at"] is None
+        page.goto(f"{dashboard}/")
+        page.click('[data-testid="resume-acme"]')
+        expect(page.locator("#notice")).to_contain_text("Resumed tenant acme")
+        expect(tenants.locator('tr[data-tenant="acme"] .badge.s-paused')).to_have_count(0)
+        assert queue.tenants("acme")[0]["paused_at"] is None
 
-            # cancel the running job: its worker is asked to stop it
-            page.goto(f"{dashboard}/jobs/{running}")
-            page.click(f'[data-testid="cancel-{running}"]')
-            expect(page.locator("#notice")).to_contain_text(f"Asked job {running} to stop")
-            expect(page.locator("#cancelled-by")).to_have_text("dashboard")
-            expect(page.locator("#cancel-requested")).to_contain_text("UTC")
-            expect(page.locator("#cancel-state")).to_contain_text("its worker is stopping it")
-            expect(page.locator(f'[data-testid="cancel-{running}"]')).to_have_count(0)
-            info = queue.job(running)
-            assert (info.status, info.cancelled_by) == ("running", "dashboard")
-            assert info.cancel_requested_at is not None
-            page.screenshot(path=str(artifacts / "dashboard-job-cancelling.png"), full_page=True)
+        # cancel the running job: its worker is asked to stop it
+        page.goto(f"{dashboard}/jobs/{running}")
+        page.click(f'[data-testid="cancel-{running}"]')
+        expect(page.locator("#notice")).to_contain_text(f"Asked job {running} to stop")
+        expect(page.locator("#cancelled-by")).to_have_text("dashboard")
+        expect(page.locator("#cancel-requested")).to_contain_text("UTC")
+        expect(page.locator("#cancel-state")).to_contain_text("its worker is stopping it")
+        expect(page.locator(f'[data-testid="cancel-{running}"]')).to_have_count(0)
+        info = queue.job(running)
+        assert (info.status, info.cancelled_by) == ("running", "dashboard")
+        assert info.cancel_requested_at is not None
+        page.screenshot(path=str(artifacts / "dashboard-job-cancelling.png"), full_page=True)
 
-            # cancel a pending job: it ends cancelled at once
-            page.goto(f"{dashboard}/jobs/{pending}")
-            page.click(f'[data-testid="cancel-{pending}"]')
-            expect(page.locator("#notice")).to_contain_text(f"Cancelled job {pending}")
-            expect(page.locator("h1 .badge")).to_have_text("cancelled")
-            expect(page.locator("#cancelled-by")).to_have_text("dashboard")
-            expect(page.locator(f'[data-testid="cancel-{pending}"]')).to_have_count(0)
-            assert queue.job(pending).status == "cancelled"
-        finally:
-            browser.close()
+        # cancel a pending job: it ends cancelled at once
+        page.goto(f"{dashboard}/jobs/{pending}")
+        page.click(f'[data-testid="cancel-{pending}"]')
+        expect(page.locator("#notice")).to_contain_text(f"Cancelled job {pending}")
+        expect(page.locator("h1 .badge")).to_have_text("cancelled")
+        expect(page.locator("#cancelled-by")).to_have_text("dashboard")
+        expect(page.locator(f'[data-testid="cancel-{pending}"]')).to_have_count(0)
+        assert queue.job(pending).status == "cancelled"
 
 
 def test_pause_and_cancel_need_csrf_and_valid_input(queue: Queue, seeded: Seeded, dashboard: str) -> None:

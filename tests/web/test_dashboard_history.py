@@ -21,11 +21,9 @@ from tenantq.store.workers import WorkerRecord
 from tenantq.testing import drain
 from tenantq.web.app import create_app
 from tests.integration.helpers import fetch_one
+from tests.web.browser import chromium_page, needs_chromium
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 WARMUP_ERROR = "WarmupFailed: warmup 'app:load_model' failed: RuntimeError: the model file is missing"
 
 
@@ -50,57 +48,51 @@ def history(queue: Queue, db: Database, serve_app: Callable[[ASGIApp], str]) -> 
     return History(flaky=flaky, orphan=orphan, url=serve_app(create_app(queue)))
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium)")
+@needs_chromium
 def test_browser_workers_failures_and_attempts(history: History, db: Database) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
     failed_at = fetch_one(db, "SELECT finished_at FROM attempts WHERE outcome = 'failed'")["finished_at"]
     done_at = fetch_one(db, "SELECT finished_at FROM jobs WHERE id = %(id)s", {"id": history.flaky})
     assert failed_at < done_at["finished_at"]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(f"{history.url}/")
-            svc_a = page.locator('#workers tr[data-worker="svc-a:1"]')
-            expect(svc_a.locator("td.kinds")).to_have_text("demo.hello, demo.noop")
-            expect(svc_a).to_contain_text("gvisor")
-            expect(svc_a.locator("td.executor-error")).to_have_text("—")
-            svc_b = page.locator('#workers tr[data-worker="svc-b:2"]')
-            expect(svc_b.locator("td.kinds")).to_have_text("mail.send")
-            expect(svc_b.locator("td.executor-error")).to_contain_text(
-                f"failing (1 in a row): {WARMUP_ERROR}")
+    with chromium_page() as page:
+        page.goto(f"{history.url}/")
+        svc_a = page.locator('#workers tr[data-worker="svc-a:1"]')
+        expect(svc_a.locator("td.kinds")).to_have_text("demo.hello, demo.noop")
+        expect(svc_a).to_contain_text("gvisor")
+        expect(svc_a.locator("td.executor-error")).to_have_text("—")
+        svc_b = page.locator('#workers tr[data-worker="svc-b:2"]')
+        expect(svc_b.locator("td.kinds")).to_have_text("mail.send")
+        expect(svc_b.locator("td.executor-error")).to_contain_text(
+            f"failing (1 in a row): {WARMUP_ERROR}")
 
-            # the failure of a job that later succeeded, stamped when it failed
-            failure = page.locator(f'#failures tr[data-job="{history.flaky}"][data-attempt="1"]')
-            expect(failure).to_contain_text("flaky failure on attempt 1")
-            expect(failure.locator(".badge")).to_have_text("done")
-            expect(failure.locator("td").last).to_have_attribute(
-                "title", failed_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+        # the failure of a job that later succeeded, stamped when it failed
+        failure = page.locator(f'#failures tr[data-job="{history.flaky}"][data-attempt="1"]')
+        expect(failure).to_contain_text("flaky failure on attempt 1")
+        expect(failure.locator(".badge")).to_have_text("done")
+        expect(failure.locator("td").last).to_have_attribute(
+            "title", failed_at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
-            page.click(f'#failures tr[data-job="{history.flaky}"] a')
-            expect(page.locator("h1")).to_contain_text(f"Job {history.flaky}")
-            expect(page.locator("#outcome")).to_have_text(
-                "succeeded on attempt 2 after: RuntimeError: flaky failure on attempt 1")
-            rows = page.locator("#attempts tbody tr")
-            expect(rows).to_have_count(2)
-            expect(rows.nth(0)).to_contain_text("failed")
-            expect(rows.nth(0)).to_contain_text("RuntimeError: flaky failure on attempt 1")
-            expect(rows.nth(1)).to_contain_text("done")
-            expect(page.locator("#last-error")).to_have_count(0)  # no stale error on a done job
-            page.screenshot(path=str(artifacts / "dashboard-attempts.png"), full_page=True)
+        page.click(f'#failures tr[data-job="{history.flaky}"] a')
+        expect(page.locator("h1")).to_contain_text(f"Job {history.flaky}")
+        expect(page.locator("#outcome")).to_have_text(
+            "succeeded on attempt 2 after: RuntimeError: flaky failure on attempt 1")
+        rows = page.locator("#attempts tbody tr")
+        expect(rows).to_have_count(2)
+        expect(rows.nth(0)).to_contain_text("failed")
+        expect(rows.nth(0)).to_contain_text("RuntimeError: flaky failure on attempt 1")
+        expect(rows.nth(1)).to_contain_text("done")
+        expect(page.locator("#last-error")).to_have_count(0)  # no stale error on a done job
+        page.screenshot(path=str(artifacts / "dashboard-attempts.png"), full_page=True)
 
-            page.goto(f"{history.url}/jobs/{history.orphan}")
-            expect(page.locator("#why")).to_contain_text(
-                "no running worker has a handler for kind reports.render (2 running worker(s) serve: "
-                "demo.hello, demo.noop, mail.send)")
-            page.goto(f"{history.url}/")
-            page.screenshot(path=str(artifacts / "dashboard-workers.png"), full_page=True)
-        finally:
-            browser.close()
+        page.goto(f"{history.url}/jobs/{history.orphan}")
+        expect(page.locator("#why")).to_contain_text(
+            "no running worker has a handler for kind reports.render (2 running worker(s) serve: "
+            "demo.hello, demo.noop, mail.send)")
+        page.goto(f"{history.url}/")
+        page.screenshot(path=str(artifacts / "dashboard-workers.png"), full_page=True)
 
 
 def test_overview_and_job_page_over_http(history: History, queue: Queue) -> None:

@@ -17,7 +17,7 @@ from tenantq.host_functions import MAX_RECORDED_CALLS
 from tenantq.store.db import Database
 from tenantq.testing import drain
 from tenantq.web.app import create_app
-from tests.web.test_dashboard_history import CHROMIUM, CHROMIUM_ARGS
+from tests.web.browser import chromium_page, needs_chromium
 
 
 @pytest.fixture
@@ -28,32 +28,26 @@ def jobs_and_url(queue: Queue, db: Database, serve_app: Callable[[ASGIApp], str]
     return mixed, flood, serve_app(create_app(queue))
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium)")
+@needs_chromium
 def test_browser_job_page_lists_its_host_function_calls(jobs_and_url: tuple[int, int, str]) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     mixed, flood, url = jobs_and_url
     artifacts = Path(__file__).resolve().parents[2] / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(f"{url}/jobs/{mixed}")
-            rows = page.locator("#host-calls tbody tr")
-            expect(rows).to_have_count(3)
-            for i, (name, outcome) in enumerate([("noop", "ok"), ("boom", "error"),
-                                                 ("orders.everyone", "refused")]):
-                expect(rows.nth(i)).to_have_attribute("data-outcome", outcome)
-                expect(rows.nth(i).locator("td.mono")).to_have_text(name)
-            page.screenshot(path=str(artifacts / "dashboard-host-calls.png"), full_page=True)
-            page.goto(f"{url}/jobs/{flood}")
-            expect(page.locator("#host-calls tbody tr[data-outcome]")).to_have_count(MAX_RECORDED_CALLS)
-            expect(page.locator("#host-calls tbody tr.muted")).to_contain_text(
-                f"and 5 more (the first {MAX_RECORDED_CALLS} are listed)")
-        finally:
-            browser.close()
+    with chromium_page() as page:
+        page.goto(f"{url}/jobs/{mixed}")
+        rows = page.locator("#host-calls tbody tr")
+        expect(rows).to_have_count(3)
+        for i, (name, outcome) in enumerate([("noop", "ok"), ("boom", "error"),
+                                             ("orders.everyone", "refused")]):
+            expect(rows.nth(i)).to_have_attribute("data-outcome", outcome)
+            expect(rows.nth(i).locator("td.mono")).to_have_text(name)
+        page.screenshot(path=str(artifacts / "dashboard-host-calls.png"), full_page=True)
+        page.goto(f"{url}/jobs/{flood}")
+        expect(page.locator("#host-calls tbody tr[data-outcome]")).to_have_count(MAX_RECORDED_CALLS)
+        expect(page.locator("#host-calls tbody tr.muted")).to_contain_text(
+            f"and 5 more (the first {MAX_RECORDED_CALLS} are listed)")
 
 
 def test_job_page_host_calls_over_http(jobs_and_url: tuple[int, int, str], queue: Queue) -> None:

@@ -16,12 +16,10 @@ from starlette.types import ASGIApp
 from tenantq import Queue
 from tenantq.store.db import Database
 from tenantq.web.app import create_app
+from tests.web.browser import chromium_page, needs_chromium
 from tests.web.conftest import Seeded, csrf_of, seed
 
 ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 @dataclass(frozen=True)
@@ -52,67 +50,61 @@ def _ids(html: str) -> list[int]:
     return [int(part.split('"', 1)[0]) for part in body.split('data-job="')[1:]]
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian chromium is not installed at /usr/bin/chromium "
-                    "(apt-get install -y chromium)")
+@needs_chromium
 def test_browser_search_pages_job_envelope_and_bulk_cancel(queue: Queue, found: Found) -> None:
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1440, "height": 1000})
-            page.goto(f"{found.url}/")
-            page.click("header >> text=jobs")
-            expect(page.locator("h1")).to_have_text("Jobs")
-            # every tenant's jobs, newest first
-            expect(page.locator("#results tbody tr").first).to_have_attribute("data-job", str(found.hostile))
+    with chromium_page() as page:
+        page.goto(f"{found.url}/")
+        page.click("header >> text=jobs")
+        expect(page.locator("h1")).to_have_text("Jobs")
+        # every tenant's jobs, newest first
+        expect(page.locator("#results tbody tr").first).to_have_attribute("data-job", str(found.hostile))
 
-            form = page.locator("#search")
-            form.locator('input[name="tenant"]').fill("acme")
-            form.locator('input[name="actor"]').fill("user-7")
-            form.locator('input[name="meta"]').last.fill("plan=pro")
-            form.locator('input[name="limit"]').fill("2")
-            form.locator('button[type="submit"]').click()
-            rows = page.locator("#results tbody tr")
-            expect(rows).to_have_count(2)
-            newest = list(reversed(found.reports))
-            expect(rows.nth(0)).to_have_attribute("data-job", str(newest[0]))
-            expect(rows.nth(1)).to_have_attribute("data-job", str(newest[1]))
-            expect(page.locator("#results")).to_contain_text("user-7")
-            expect(page.locator('[data-testid="bulk-cancel"]')).to_have_text("cancel 5 pending jobs")
+        form = page.locator("#search")
+        form.locator('input[name="tenant"]').fill("acme")
+        form.locator('input[name="actor"]').fill("user-7")
+        form.locator('input[name="meta"]').last.fill("plan=pro")
+        form.locator('input[name="limit"]').fill("2")
+        form.locator('button[type="submit"]').click()
+        rows = page.locator("#results tbody tr")
+        expect(rows).to_have_count(2)
+        newest = list(reversed(found.reports))
+        expect(rows.nth(0)).to_have_attribute("data-job", str(newest[0]))
+        expect(rows.nth(1)).to_have_attribute("data-job", str(newest[1]))
+        expect(page.locator("#results")).to_contain_text("user-7")
+        expect(page.locator('[data-testid="bulk-cancel"]')).to_have_text("cancel 5 pending jobs")
 
-            # keyset pages: older, older, then back to the newest
-            page.click("#older")
-            expect(rows.nth(0)).to_have_attribute("data-job", str(newest[2]))
-            expect(rows.nth(1)).to_have_attribute("data-job", str(newest[3]))
-            page.click("#older")
-            expect(rows).to_have_count(1)
-            expect(rows.nth(0)).to_have_attribute("data-job", str(newest[4]))
-            expect(page.locator("#older")).to_have_count(0)
-            page.screenshot(path=str(artifacts / "dashboard-search.png"), full_page=True)
-            page.click("#newest")
-            expect(rows.nth(0)).to_have_attribute("data-job", str(newest[0]))
+        # keyset pages: older, older, then back to the newest
+        page.click("#older")
+        expect(rows.nth(0)).to_have_attribute("data-job", str(newest[2]))
+        expect(rows.nth(1)).to_have_attribute("data-job", str(newest[3]))
+        page.click("#older")
+        expect(rows).to_have_count(1)
+        expect(rows.nth(0)).to_have_attribute("data-job", str(newest[4]))
+        expect(page.locator("#older")).to_have_count(0)
+        page.screenshot(path=str(artifacts / "dashboard-search.png"), full_page=True)
+        page.click("#newest")
+        expect(rows.nth(0)).to_have_attribute("data-job", str(newest[0]))
 
-            # the job page shows the envelope, and its actor leads back to a search
-            page.click(f'#results tr[data-job="{newest[0]}"] a >> nth=0')
-            expect(page.locator("#actor")).to_have_text("user-7")
-            expect(page.locator("#meta")).to_contain_text('"request_id": "r-4"')
-            page.screenshot(path=str(artifacts / "dashboard-job-envelope.png"), full_page=True)
-            page.click("#actor a")
-            expect(page.locator("#results tbody tr")).to_have_count(5)
+        # the job page shows the envelope, and its actor leads back to a search
+        page.click(f'#results tr[data-job="{newest[0]}"] a >> nth=0')
+        expect(page.locator("#actor")).to_have_text("user-7")
+        expect(page.locator("#meta")).to_contain_text('"request_id": "r-4"')
+        page.screenshot(path=str(artifacts / "dashboard-job-envelope.png"), full_page=True)
+        page.click("#actor a")
+        expect(page.locator("#results tbody tr")).to_have_count(5)
 
-            # cancel the filtered set (all five, not just the page shown)
-            page.click('[data-testid="bulk-cancel"]')
-            expect(page.locator("#notice")).to_contain_text("Cancelled 5 pending jobs")
-            expect(page.locator('#results .badge.s-cancelled')).to_have_count(5)
-            expect(page.locator('[data-testid="bulk-cancel"]')).to_have_count(0)
-            assert {queue.job(i).status for i in found.reports} == {"cancelled"}
-            assert {queue.job(i).status for i in found.other} == {"pending"}
-            page.screenshot(path=str(artifacts / "dashboard-search-cancelled.png"), full_page=True)
-        finally:
-            browser.close()
+        # cancel the filtered set (all five, not just the page shown)
+        page.click('[data-testid="bulk-cancel"]')
+        expect(page.locator("#notice")).to_contain_text("Cancelled 5 pending jobs")
+        expect(page.locator('#results .badge.s-cancelled')).to_have_count(5)
+        expect(page.locator('[data-testid="bulk-cancel"]')).to_have_count(0)
+        assert {queue.job(i).status for i in found.reports} == {"cancelled"}
+        assert {queue.job(i).status for i in found.other} == {"pending"}
+        page.screenshot(path=str(artifacts / "dashboard-search-cancelled.png"), full_page=True)
 
 
 def test_filters_select_and_pages_do_not_overlap(found: Found) -> None:
