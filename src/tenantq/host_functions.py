@@ -53,11 +53,20 @@ class CallLimits:
     calls_per_batch: int = 1000
     call_timeout: float = 10.0
     in_flight_per_batch: int = 4
+    # the host's side of the socket (sandbox/host_calls.py): how long it
+    # waits for a request's bytes, and the connections a batch may hold
+    # open beyond its calls in flight (more are closed unanswered)
+    read_timeout: float = 10.0
+    spare_connections: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_response_bytes", "calls_per_batch", "in_flight_per_batch"):
             if getattr(self, name) < 1:
                 raise InvalidInput(f"host function limit {name} must be at least 1")
+        if self.spare_connections < 0:
+            raise InvalidInput("host function limit spare_connections must be at least 0")
+        if not 0 < self.read_timeout <= 300:
+            raise InvalidInput(f"host function read_timeout must be in (0, 300] s, got {self.read_timeout:g}")
         if not 0 < self.call_timeout <= 3600:
             raise InvalidInput(f"host function call_timeout must be in (0, 3600] s, "
                                f"got {self.call_timeout:g}")
@@ -71,7 +80,9 @@ def limits_from_settings() -> CallLimits:
     return CallLimits(max_request_bytes=settings.host_call_max_request_bytes,
                       max_response_bytes=settings.host_call_max_response_bytes,
                       calls_per_batch=settings.host_calls_per_batch, call_timeout=settings.host_call_timeout,
-                      in_flight_per_batch=settings.host_calls_in_flight)
+                      in_flight_per_batch=settings.host_calls_in_flight,
+                      read_timeout=settings.host_call_read_timeout,
+                      spare_connections=settings.host_call_spare_connections)
 
 
 @dataclass(frozen=True)
@@ -145,6 +156,14 @@ class CallStats:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "seconds": round(self.seconds, 6)}
 
 
+def merge_counts(first: dict[str, Any] | None, second: dict[str, Any]) -> dict[str, Any]:
+    """Two batch records (`CallStats.record`) as one: their sums."""
+    if first is None:
+        return dict(second)
+    return {key: round(float(first.get(key, 0)) + float(value), 6) if key == "seconds"
+            else int(first.get(key, 0)) + int(value) for key, value in second.items()}
+
+
 @dataclass
 class JobCalls:
     """One job's calls, for its attempt's record."""
@@ -157,12 +176,6 @@ class JobCalls:
     def record(self) -> dict[str, Any]:
         return {"count": self.count, "errors": self.errors, "seconds": round(self.seconds, 6),
                 "calls": self.calls}
-
-
-# host functions run here, not on the thread that received the call, so a
-# call that overruns its timeout is answered while it runs on (it still
-# counts against its batch's in-flight bound until it returns)
-_POOL = ThreadPoolExecutor(max_workers=32, thread_name_prefix="tenantq-hostfn")
 
 
 class CallGate:
@@ -183,6 +196,14 @@ class CallGate:
         self._jobs: dict[int, JobCalls] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
+        # The batch's own threads, as many as it may have calls in flight:
+        # a call starts at once or is refused (never queued behind another
+        # batch's, so one tenant's slow functions cannot hold up another's
+        # calls, and a call's timeout is its run time). One that overruns
+        # is answered at its timeout while it runs on; it still counts as in
+        # flight until it returns.
+        self._threads: ThreadPoolExecutor | None = None
+        self._closed = False
 
     def call(self, name: object, args: object, request_bytes: int = 0, *,
              caller: Caller | bool | None = True) -> dict[str, Any]:
@@ -190,7 +211,10 @@ class CallGate:
         `caller`: the job the request belongs to, as the host recorded it when
         the connection came (None: none was running); default: the job in
         flight now."""
-        shown = name if isinstance(name, str) and len(name) <= 200 else "?"
+        # the name as recorded (metrics, the attempt's row): the guest's
+        # string only if it is a valid name, never NUL bytes, escapes or
+        # markup that Postgres or a page would choke on (rule F1)
+        shown = _recordable(name)
         started = time.monotonic()
         who = self.current() if caller is True else caller
         try:
@@ -223,6 +247,15 @@ class CallGate:
                 if len(job.calls) < MAX_RECORDED_CALLS:
                     job.calls.append({"name": name, "outcome": outcome, "ms": round(seconds * 1000, 3)})
         return reply
+
+    def close(self) -> None:
+        """The batch has ended: its threads go as their calls return (a
+        function that overran still runs to its end; none is waited for)."""
+        with self._lock:
+            threads, self._threads = self._threads, None
+            self._closed = True
+        if threads is not None:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def take_job(self, job_id: int) -> dict[str, Any] | None:
         """The calls made for `job_id` (None: none), for its attempt's
@@ -260,6 +293,8 @@ class CallGate:
             raise HostFunctionError(f"refused: args of {request_bytes} bytes exceed "
                                     f"{limits.max_request_bytes}")
         with self._lock:
+            if self._closed:
+                raise HostFunctionError("refused: the batch has ended")
             if self.stats.calls >= limits.calls_per_batch:
                 raise HostFunctionError(f"refused: this batch made its {limits.calls_per_batch} calls")
             if self._in_flight >= limits.in_flight_per_batch:
@@ -268,8 +303,12 @@ class CallGate:
             self.stats.calls += 1
             self.stats.bytes_in += request_bytes
             self._in_flight += 1
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(max_workers=limits.in_flight_per_batch,
+                                                   thread_name_prefix="tenantq-hostfn")
+            threads = self._threads
         ctx = HostContext(self.tenant, caller.actor, caller.job_id, caller.kind, self.database)
-        future: Future[Any] = _POOL.submit(self._run, function, dict(args), ctx)
+        future: Future[Any] = threads.submit(self._run, function, dict(args), ctx)
         timeout = function.timeout or limits.call_timeout
         try:
             value = future.result(timeout=timeout)
@@ -317,6 +356,13 @@ class CallGate:
             return reply["result"]
 
         return call
+
+
+def _recordable(name: object) -> str:
+    try:
+        return validation.kind(name, "host function name")
+    except InvalidInput:
+        return "?"
 
 
 def _one_line(exc: BaseException) -> str:

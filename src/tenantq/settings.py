@@ -95,6 +95,11 @@ class Settings(BaseSettings):
                                              description="The largest ctx.call request (name and args).")
     host_call_max_response_bytes: int = Field(default=1 << 20, ge=1, le=1 << 20,
                                               description="The largest host function result (JSON).")
+    host_call_read_timeout: float = Field(default=10.0, gt=0, le=300,
+                                          description="Seconds the host waits for a request's bytes.")
+    host_call_spare_connections: int = Field(default=4, ge=0, le=64,
+                                             description="Connections a batch may hold open beyond its "
+                                                         "calls in flight.")
 
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")

@@ -121,3 +121,16 @@ def mixed(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
     """One call of each outcome: ok, error (the function raised), refused
     (not declared); what its attempt's record and its batch's must count."""
     return {name: _attempt(ctx, name, {"pad": "x" * 100}) for name in ("noop", "boom", "orders.everyone")}
+
+
+@tenantq.handler("hostfn.badnames", host_functions=["noop"], timeout=30)
+def badnames(payload: Any, ctx: tenantq.JobContext) -> int:
+    """Names no function can have (a NUL, markup, too long): refused, and
+    recorded as "?" (the attempt's row must still be storable)."""
+    refused = 0
+    for name in ("no\x00pe", "<b>x</b>", "n" * 300, "noop\u202e"):
+        try:
+            ctx.call(name, {})
+        except tenantq.HostFunctionError:
+            refused += 1
+    return refused

@@ -70,6 +70,18 @@ def test_an_attempt_lists_its_first_calls_and_counts_them_all(db: Database) -> N
     assert _batch_calls(db, job)["calls"] == MAX_RECORDED_CALLS + 20
 
 
+def test_names_no_function_can_have_are_recorded_as_a_question_mark(db: Database) -> None:
+    """The guest's string reaches the attempt's row only if it is a valid
+    name: a NUL byte there would make Postgres refuse the whole settle."""
+    with Queue(db.dsn, schema=db.schema) as q:
+        job = q.enqueue("acme", "hostfn.badnames")
+        drain(db, REGISTRY)
+        info = q.job(job)
+    assert info.status == "done" and info.result == 4, (info.status, info.last_error)
+    (attempt,) = info.attempts_history
+    assert [(c["name"], c["outcome"]) for c in attempt["host_calls"]["calls"]] == [("?", "refused")] * 4
+
+
 def test_a_job_that_calls_nothing_records_nothing(db: Database) -> None:
     with Queue(db.dsn, schema=db.schema) as q:
         job = q.enqueue("acme", "hostfn.flood", {"calls": 0})

@@ -37,6 +37,7 @@ from tenantq.dispatch.cancels import cancelled_error
 from tenantq.dispatch.outcome import failed, first_line, is_transient, last_resort, succeeded, unstorable
 from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
+from tenantq.host_functions import merge_counts
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob
 from tenantq.sandbox.executor import EgressUsed, Event, HostCallsUsed, JobEnded, JobStarted
@@ -119,7 +120,9 @@ class BatchRun:
             self.egress = event  # written with the end of the batch
             return
         if isinstance(event, HostCallsUsed):
-            self.host_calls = event.record  # likewise
+            # likewise; a batch with inline and sandboxed jobs has a gate for
+            # each part, and reports twice: the record is their sum
+            self.host_calls = merge_counts(self.host_calls, event.record)
             return
         job_id = event.job_id
         job = self.jobs.get(job_id)

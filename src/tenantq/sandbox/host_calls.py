@@ -30,9 +30,6 @@ from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, encode
 from tenantq.host_functions import Caller, CallGate
 
 SOCKET_NAME = "hostfn.sock"
-READ_TIMEOUT_SECONDS = 10.0
-# connections open at once per batch, beyond the calls it may have in flight
-SPARE_CONNECTIONS = 4
 
 
 class CallServer:
@@ -45,7 +42,8 @@ class CallServer:
         self._open: dict[socket.socket, int] = {}
         self._generation = 0
         self._closed = False
-        self._max_open = gate.limits.in_flight_per_batch + SPARE_CONNECTIONS
+        # connections open at once: the calls it may have in flight, and spares
+        self._max_open = gate.limits.in_flight_per_batch + gate.limits.spare_connections
         self._thread = threading.Thread(target=self._accept, name="tenantq-hostfn-accept", daemon=True)
         self._thread.start()
 
@@ -97,7 +95,7 @@ class CallServer:
 
     def _serve(self, conn: socket.socket, generation: int, caller: Caller | None) -> None:
         try:
-            conn.settimeout(READ_TIMEOUT_SECONDS)
+            conn.settimeout(self.gate.limits.read_timeout)
             reply = self._answer(conn, generation, caller)
             if reply is not None:
                 conn.sendall(encode(reply))
@@ -144,6 +142,7 @@ class CallServer:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=5)
+        self.gate.close()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 

@@ -103,6 +103,7 @@ class InlineExecutor:
         try:
             self._each_job(batch, gate, running, env=env, report=report, should_stop=should_stop)
         finally:
+            gate.close()
             if (record := gate.batch_record()) is not None:
                 report(HostCallsUsed(record))
 
