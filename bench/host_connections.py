@@ -213,5 +213,9 @@ def run(batches: int = 200, pool: int = 10, quick: int = 10, ramp_timeout: float
     table.add_row("time until every batch was calling", f"{ramp:.1f} s")
     console.print(table)
     console.print(f"samples: {samples} every {SAMPLE_SECONDS * 1000:.0f} ms; {done}/{batches} hold jobs done")
+    # the claim this bench checks (docs/tenant-data.md, "Connections")
+    out["holds"] = peak["app"] <= pool and done == batches and errors == 0
+    console.print(f"verdict: app-database connections {peak['app']} <= pool {pool} with "
+                  f"{peak['calling']} batches calling: {'holds' if out['holds'] else 'DOES NOT HOLD'}")
     save("host-connections", out)
     return out
