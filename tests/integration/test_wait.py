@@ -690,6 +690,9 @@ def test_sync_and_async_waiters_of_several_queues_share_one_listener(queue: Queu
                 assert queue._listener() is second._listener() is aq._listener()
                 await until(lambda: queue._listener().waiting() == 3, timeout=10,
                             message="3 subscribed waits")
+                # a wait subscribes before the listener's thread has connected:
+                # wait for it to LISTEN, then count
+                await asyncio.to_thread(_listener_pid, db)
                 with db.connect() as own:
                     assert len(listen_backends(my_backends(own))) == 1
                 await asyncio.to_thread(lambda: settle_now(db, claim(db)))
@@ -698,6 +701,28 @@ def test_sync_and_async_waiters_of_several_queues_share_one_listener(queue: Queu
                 assert [t.result(timeout=WAKE_SECONDS + 10).status for t in threads] == ["done", "done"]
 
     asyncio.run(main())
+
+
+def test_a_waiter_is_woken_by_its_own_job_and_no_other(queue: Queue, db: Database,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wake-up is per waiter: another job's end (its notification names
+    only that job) does not wake a wait for this one."""
+    other, mine = queue.enqueue(TENANT, KIND), queue.enqueue(TENANT, KIND)
+    _, seen = warm(db, monkeypatch)
+    with in_background(lambda: queue.wait(mine, timeout=60)) as waiting:
+        wait_until(lambda: seen.inside == 1, timeout=10, message="the wait for `mine` to block")
+        mark = seen.mark()
+        with in_background(lambda: queue.wait(other, timeout=60)) as other_wait:
+            wait_until(lambda: seen.inside == 2, timeout=10, message="the wait for `other` to block")
+            batch = claim(db, limit=1)
+            assert [j.id for j in batch.jobs] == [other]
+            settle_now(db, batch)
+            assert other_wait.result(timeout=WAKE_SECONDS + 10).status == "done"
+        # the notification has come (it woke `other`'s waiter); `mine`'s was not woken
+        assert seen.since(mark) == [True] and seen.inside == 1, seen.since(mark)
+        assert not waiting.done()
+        settle_now(db, claim(db))
+        assert waiting.result(timeout=WAKE_SECONDS + 10).status == "done"
 
 
 # -- the LISTEN connection goes away ----------------------------------------------------

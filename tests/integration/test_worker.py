@@ -88,6 +88,27 @@ def test_idle_worker_wakes_on_notify_well_before_the_poll(queue: Queue, db: Data
     assert time.monotonic() - stopping < 3, "an idle worker stops without waiting for its poll"
 
 
+def test_a_job_enqueued_in_the_callers_transaction_wakes_an_idle_worker_at_commit(
+        queue: Queue, db: Database) -> None:
+    """enqueue(conn=) inside the caller's transaction: its NOTIFY is sent at
+    the commit, so an idle worker (its next poll ~5 s away) runs the job at
+    once then, and never before."""
+    worker = _worker(db, poll_seconds=5.0)
+    with running(worker):
+        first = queue.enqueue("acme", "demo.hello")
+        wait_until(lambda: _status(queue, first) == "done", timeout=5, message="first job done")
+        wait_until(lambda: _listening(db), timeout=5, message="the worker's LISTEN")
+        with db.connect(autocommit=False) as conn:
+            job_id = queue.enqueue("acme", "demo.hello", {"n": 1}, conn=conn)
+            with db.connect() as other:  # not visible, so not runnable, before the commit
+                assert other.execute("SELECT count(*) AS n FROM jobs WHERE id = %(id)s",
+                                     {"id": job_id}).fetchone()["n"] == 0
+            conn.commit()
+            committed = time.monotonic()
+        wait_until(lambda: _status(queue, job_id) == "done", timeout=3, message="the job, woken at commit")
+        assert time.monotonic() - committed < 3
+
+
 def test_a_kind_the_app_does_not_register_is_left_pending_and_explained(queue: Queue, db: Database) -> None:
     """A worker takes only kinds its app registers: another app's job waits
     for a worker that can run it, without losing an attempt, and the worker

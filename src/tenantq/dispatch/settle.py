@@ -140,7 +140,7 @@ class BatchRun:
         seconds = self._seconds(job_id, event.seconds)
         if job_id not in self.undecodable:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
-        self._run_histogram.observe(seconds, metrics.exemplar(job.id, job.tenant_id, job.actor))
+        self._run_histogram.observe(seconds, metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
         backoff = self.worker.config.backoff
         if self.worker.cancels.requested(job_id):
             # the host's own record of the request decides, whatever the

@@ -315,7 +315,8 @@ class Worker:
                 if batch is not None:
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:
-                        waits.observe(job.waited, metrics.exemplar(job.id, job.tenant_id, job.actor))
+                        waits.observe(job.waited,
+                                      metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
                     self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
                     return batch, None
                 if priority == "interactive":

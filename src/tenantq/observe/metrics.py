@@ -13,7 +13,7 @@ Two kinds:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app, start_http_server
@@ -65,12 +65,17 @@ BATCH_REASONS = ("ok", "oom", "timeout", "crashed", "killed", "failed")
 EXEMPLAR_CHARS = 128
 
 
-def exemplar(job_id: int, tenant: str, actor: str | None) -> dict[str, str]:
+def exemplar(job_id: int, tenant: str, actor: str | None,
+             meta: Mapping[str, Any] | None = None) -> dict[str, str]:
     """The exemplar of a job's wait and run observations (shown with the
-    OpenMetrics exposition): which job, tenant and actor, cut to fit."""
+    OpenMetrics exposition): which job, tenant and actor, and the request
+    it came from (meta's `request_id`, when a string), cut to fit."""
     labels = {"job_id": str(job_id), "tenant": tenant}
     if actor:
         labels["actor"] = actor
+    request_id = (meta or {}).get("request_id")
+    if isinstance(request_id, str) and request_id:
+        labels["request_id"] = request_id
     used = 0
     fitted: dict[str, str] = {}
     for name, value in labels.items():
