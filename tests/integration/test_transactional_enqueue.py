@@ -748,6 +748,50 @@ def test_enqueue_many_with_async_connection(app: App, db: Database, outcome: str
     app.finish(outcome, ids, tenant, None)
 
 
+@pytest.mark.parametrize("outcome", OUTCOMES)
+def test_enqueue_many_with_sqlalchemy_async_session(app: App, db: Database, outcome: str) -> None:
+    tenant, note = _fresh_tenant(), f"sa-amany-{outcome}"
+
+    async def main() -> list[int]:
+        engine = _async_engine(app)
+        try:
+            async with AsyncQueue(db.dsn, schema=db.schema) as aq, sa_asyncio.AsyncSession(engine) as session:
+                session.add(Order(note=note))
+                await session.flush()
+                ids = await aq.enqueue_many([JobSpec(tenant, KIND, {"i": i}, actor=ACTOR, meta=META)
+                                             for i in range(3)], conn=session)
+                app.in_flight(ids, tenant, note)
+                await (session.commit() if outcome == "commit" else session.rollback())
+                return ids
+        finally:
+            await engine.dispose()
+
+    ids = asyncio.run(main())
+    app.finish(outcome, ids, tenant, note)
+
+
+@django_scenario
+def atomic_many(app: App, queue: Queue, connection: Any, *, outcome: str) -> dict[str, Any]:
+    from django.db import transaction
+
+    tenant, note = _fresh_tenant(), f"django-many-{outcome}"
+    ids: list[int] = []
+    with rolls_back() if outcome == "rollback" else nullcontext(), transaction.atomic():
+        _django_order(connection, note)
+        ids = queue.enqueue_many([JobSpec(tenant, KIND, {"i": i}, actor=ACTOR, meta=META) for i in range(3)],
+                                 conn=connection)
+        app.in_flight(ids, tenant, note)
+        if outcome == "rollback":
+            raise Rollback
+    return {"job_ids": ids, "tenant": tenant, "note": note}
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES)
+def test_enqueue_many_with_django_atomic(app: App, outcome: str) -> None:
+    done = run_django(app, "atomic_many", outcome=outcome)
+    app.finish(outcome, done["job_ids"], done["tenant"], done["note"])
+
+
 def test_a_bad_job_in_enqueue_many_leaves_the_callers_transaction_usable(app: App, queue: Queue) -> None:
     tenant = _fresh_tenant()
     with app.connect() as conn:
