@@ -12,6 +12,7 @@ supervisor enforces both again from outside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -191,6 +192,8 @@ def job_main(tenant: str, job: dict[str, Any], env: dict[str, str], job_uid: int
             job = following
     except BaseException:
         code = 70
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()  # into the job's own output, whose tail comes back with the failure
     finally:
         os._exit(code)
 

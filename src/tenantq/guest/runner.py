@@ -75,9 +75,16 @@ def _run_batch(stdin: Any, command: dict[str, Any], wake_r: int) -> dict[str, An
             os.set_blocking(own_w, False)
             signal.set_wakeup_fd(own_w, warn_on_full_buffer=False)
             code = Supervisor(stdin, command, own_r).serve()
+        except BaseException:
+            # the supervisor's own failure, for the host's stderr tail (bounded, H3)
+            import traceback
+
+            traceback.print_exc()
         finally:
             os._exit(code)
     end = _supervise(pid, ttl, wake_r)
+    if end.get("exit") not in (0, EOF_EXIT):
+        print(f"tenantq runner: the batch supervisor (pid {pid}) ended: {end}", file=sys.stderr, flush=True)
     kill_others()
     if end.get("exit") == EOF_EXIT:
         os._exit(0)  # the dispatcher is gone, and so is this sandbox

@@ -102,6 +102,7 @@ class Channel:
     def receive(self, deadline: float, *, poll: float = 0.1) -> dict[str, Any]:
         """The next frame; ChannelTimeout past the deadline, GuestGone when
         the process ends or closes its end, FrameError on a bad frame."""
+        exited = False
         while True:
             try:
                 chunk = os.read(self.stdout_fd, self.reader.wanted())
@@ -118,8 +119,13 @@ class Channel:
                 if frame is not None:
                     return frame
                 continue
-            if not self.alive():
+            if exited:
                 raise GuestGone("the guest exited")
+            if not self.alive():
+                # it may have written its last frame (a warm parent's
+                # batch_end) just before it exited, after the read above:
+                # read once more before saying it is gone
+                exited = True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ChannelTimeout("no frame from the guest in time")

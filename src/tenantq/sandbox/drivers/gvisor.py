@@ -65,6 +65,13 @@ class GVisorRunning(Running):
         return result
 
 
+# host tasks (sentry threads, ptrace stubs) the sandbox's pids cgroup allows
+# per guest task that RLIMIT_NPROC allows (see _config): a bound on what a
+# sandbox costs the host, high enough that the guest's own limit, a graceful
+# EAGAIN, is what a fork bomb meets
+HOST_TASKS_PER_GUEST_TASK = 64
+
+
 class GVisorDriver:
     name = "gvisor"
     snapshots = True
@@ -193,6 +200,12 @@ class GVisorSandbox(HostSandbox):
         # each guest process costs the sandbox ~6 host tasks (sentry, stubs):
         # stay well under the pids backstop, whose hit panics the sentry
         nproc = max(16, (spec.max_pids - 64) // 16)
+        # The backstop itself: under fork churn the ptrace platform's host
+        # tasks per guest task grow far past 6 (28 guest tasks reached 511 of
+        # 512 host tasks in the adversarial cancel test, and at 512 the
+        # sentry panicked: the batch ended "crashed: exit code 2"), so the
+        # host limit is HOST_TASKS_PER_GUEST_TASK per guest task allowed
+        host_pids = max(spec.max_pids, nproc * HOST_TASKS_PER_GUEST_TASK)
         # an API sandbox's processes are its root, with no capability: they
         # own the (overlaid) root; gVisor's sentry is the boundary either way
         uid = 0 if supervisor or spec.writable_root else GUEST_UID
@@ -219,7 +232,7 @@ class GVisorSandbox(HostSandbox):
                 "cgroupsPath": f"{self.box.relative}/{cid}",
                 "resources": {
                     "memory": {"limit": spec.memory_mb * 1024 * 1024},
-                    "pids": {"limit": spec.max_pids},
+                    "pids": {"limit": host_pids},
                     "cpu": {"quota": int(spec.cpus * 100_000), "period": 100_000},
                 },
             },
