@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 
 import pytest
 
@@ -103,3 +105,31 @@ def test_encode_refuses_what_the_reader_would() -> None:
     with pytest.raises(FrameError):
         encode({"x": "y" * MAX_FRAME_BYTES})
     assert json.loads(encode({"a": 1})[HEADER_BYTES:]) == {"a": 1}
+
+
+def test_a_frame_written_just_before_the_guest_exited_is_read_before_it_is_gone() -> None:
+    """The guest's last frame (a warm parent's batch_end) may arrive after the
+    host's read found nothing and before it saw the process gone: it is read,
+    not lost behind GuestGone."""
+    from tenantq.sandbox.channel import Channel, GuestGone
+
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    checks: list[bool] = []
+
+    def alive() -> bool:
+        # the process exits right after writing its last frame, which lands
+        # between the empty read and this check
+        if not checks:
+            os.write(out_w, encode({"status": "batch_end", "exit": 0}))
+        checks.append(False)
+        return False
+
+    channel = Channel(in_w, out_r, alive)
+    try:
+        assert channel.receive(time.monotonic() + 5) == {"status": "batch_end", "exit": 0}
+        with pytest.raises(GuestGone):
+            channel.receive(time.monotonic() + 5)
+    finally:
+        for fd in (in_r, in_w, out_r, out_w):
+            os.close(fd)
