@@ -213,9 +213,7 @@ class Running:
     def _result(self, returncode: int, end: End) -> ExecResult:
         self.close_stdin()
         self.drain_stdout()
-        # the memory cgroup's record decides, not the exit status: a runtime
-        # whose sandbox the kernel's OOM killer ended may exit with a code
-        if ((end.kind == "signal" and end.signal == 9) or end.kind == "exit") and self.sandbox.oom_killed():
+        if end.kind == "signal" and end.signal == 9 and self.sandbox.oom_killed():
             end = End("oom", exit_code=returncode, detail=f"exceeded {self.sandbox.spec.memory_mb} MiB")
         return ExecResult(exit_code=returncode, stdout=self._out_tail.decode("utf-8", errors="replace"),
                           stderr=self.stderr(), end=end)
