@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tenantq.host_functions import Caller, CallGate, limits_from_settings
@@ -140,18 +141,14 @@ class InlineExecutor:
                              caller=gate.inline_caller() if handler.host_functions else None)
             running[:] = [job]
             try:
-                result = handler.call(job.payload, ctx)
+                ended = JobEnded(job.id, ok=True, result=handler.call(job.payload, ctx))
             except Exception as exc:
-                running.clear()  # a call made after the job's end is refused, not counted for it
-                report(JobEnded(job.id, ok=False, error=describe_exception(exc),
-                                host_calls=gate.take_job(job.id)))
-            else:
-                running.clear()
-                report(JobEnded(job.id, ok=True, result=result, host_calls=gate.take_job(job.id)))
+                ended = JobEnded(job.id, ok=False, error=describe_exception(exc))
             finally:
-                running.clear()
+                running.clear()  # a call made after the job's end is refused, not counted for it
                 with self._cancel_lock:
                     self._running.pop(job.id, None)
+            report(replace(ended, host_calls=gate.take_job(job.id)))
 
 
 def describe_exception(exc: BaseException) -> str:
