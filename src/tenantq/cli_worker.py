@@ -54,6 +54,9 @@ from tenantq.errors import TenantqError
 @click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
 @click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
               help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
+@click.option("--ready-pool", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Keep this many pristine sandboxes restored (or booted) ahead of demand, "
+                   "bound to a tenant only when its batch takes one.")
 @click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
               help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
 @click.option("--app-db", "app_db_url", default=None, metavar="URL",
@@ -68,7 +71,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
            on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
            snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
-           hibernate_after: float | None, work_mb: int, app_db_url: str | None,
+           hibernate_after: float | None, ready_pool: int, work_mb: int, app_db_url: str | None,
            app_db_role: str | None, store_connections: int | None) -> None:
     """Run jobs: lease batches fairly, run them, settle every job.
 
@@ -102,7 +105,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
-                        max_idle=concurrency)
+                        max_idle=concurrency, ready_pool=ready_pool)
     # the mistakes of a first run, each one line before anything else is
     # printed or started: an app that does not import or registers nothing,
     # then a database that is not there

@@ -14,6 +14,10 @@ It takes frames on stdin and answers on stdout (guest/protocol.py framing):
                                                 forgets its parent's commands, and reseeds)
     {"op": "egress", "rid": r}                  the host listens on /tenantq/egress/proxy.sock:
                                                 forward loopback to it, HTTP(S)_PROXY for later execs
+    {"op": "hand_over", "rid": r, "argv": [...], "env": {...}}
+                                                the queue's sandboxes: reply, then exec argv in
+                                                place (pid 1, on this same channel), so the
+                                                guest runner is the sandbox's init from then on
 
     {"event": "ready", "pid": p}
     {"event": "started", "id": n, "pid": p} | {"event": "exit", "id": n, "error": "..."}
@@ -212,6 +216,41 @@ class Agent:
             self.quiet = False
             if frame.get("forget"):
                 self.forget()
+        elif op == "hand_over":
+            self.hand_over(client, frame)
+
+    def hand_over(self, client: Client, frame: dict[str, Any]) -> None:
+        """Become the queue's guest runner (sandbox/api.py, Sandbox.hand_over).
+
+        Only on the init's own channel, with no command running and no other
+        client: afterwards nothing of the agent is left to speak for the
+        sandbox, and the runner's frames follow the reply on the same pipes
+        (the host's reader stops at the reply: a frame boundary). The runner
+        keeps pid 1, as when a driver starts it directly: it reaps, and its
+        `kill(-1)` of a batch's leftovers spares it (guest/supervisor.py)."""
+        argv = [str(a) for a in frame.get("argv") or []]
+        running = [c for c in self.commands.values() if c.status is None]
+        refusal = ("not on the init's channel" if client is not self.clients[0] or len(self.clients) > 1
+                   else "no argv" if not argv or not argv[0].startswith("/")
+                   else f"{len(running)} commands still run" if running
+                   else "frames arrived after it" if client.inbox or client.need is not None else None)
+        if refusal is not None:
+            client.say({"event": "reply", "rid": frame.get("rid"), "ok": False, "error": refusal})
+            return
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update({str(k): str(v) for k, v in dict(frame.get("env") or {}).items()})
+        client.say({"event": "reply", "rid": frame.get("rid"), "ok": True})
+        self.flush_all()
+        signal.set_wakeup_fd(-1)
+        # the runner reads and writes its channel blocking; O_NONBLOCK is the
+        # pipes' (shared) state, so it is undone before the exec
+        for fd in (0, 1):
+            os.set_blocking(fd, True)
+        try:
+            os.execve(argv[0], argv, env)
+        except OSError as exc:
+            print(f"tenantq agent: cannot hand over to {argv[0]}: {exc}", file=sys.stderr, flush=True)
+            os._exit(127)
 
     def start_egress(self) -> bool:
         """Once per sandbox (a fork child's forwarder came with its memory and

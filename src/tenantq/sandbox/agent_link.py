@@ -52,10 +52,15 @@ class CommandState:
     ended: threading.Event = field(default_factory=threading.Event)
 
 
+HANDED_OVER = "the sandbox's init was handed over to the queue's guest runner"
+
+
 class AgentLink:
-    def __init__(self, channel: Channel, *, owns_fds: bool = False) -> None:
+    def __init__(self, channel: Channel, *, owns_fds: bool = False, read: bool = True) -> None:
         """`owns_fds`: the channel's fds are this link's to close (a
-        connected socket); a started process's pipes are its Running's."""
+        connected socket); a started process's pipes are its Running's.
+        `read=False`: a sandbox restored from a handed-over image, whose
+        channel is its runner's (no agent is there to read)."""
         self.channel = channel
         self._owns_fds = owns_fds
         self.broken: str | None = None
@@ -71,8 +76,37 @@ class AgentLink:
         self._switching = False
         self._rebound = threading.Event()
         self._parked = threading.Event()
+        # the rid of a hand_over request: the reader stops at its reply
+        self._last_rid: int | None = None
         self._thread = threading.Thread(target=self._read, name="tenantq-sandbox-link", daemon=True)
-        self._thread.start()
+        if read:
+            self._thread.start()
+        else:
+            self.broken = HANDED_OVER
+
+    def hand_over(self, argv: list[str], env: dict[str, str], timeout: float) -> None:
+        """Have the agent exec `argv` as the sandbox's init on this channel,
+        which is then the caller's: the reader thread reads the reply and
+        nothing after it (one frame at a time: the runner's first frame stays
+        in the pipe), and the link is closed for every other use."""
+        rid = next(self._ids)
+        self._last_rid = rid
+        event, box = threading.Event(), list[dict[str, Any]]()
+        with self._lock:
+            self._replies[rid] = (event, box)
+        try:
+            self.send({"op": "hand_over", "rid": rid, "argv": argv, "env": env})
+            if not event.wait(timeout):
+                raise SandboxGone(f"the sandbox's agent did not hand over within {timeout:g} s")
+        finally:
+            with self._lock:
+                self._replies.pop(rid, None)
+        if not box or box[0].get("ok") is not True:
+            why = str(box[0].get("error"))[:200] if box else "no reply"
+            raise SandboxGone(self.broken or f"the agent refused the hand-over: {why}")
+        self._thread.join(SEND_SECONDS)
+        if self._thread.is_alive():
+            raise SandboxGone("the sandbox's link did not stop reading for the hand-over")
 
     def wait_ready(self, seconds: float) -> None:
         if not self.ready.wait(seconds) and self.broken is None:
@@ -155,6 +189,10 @@ class AgentLink:
                 self._handle(frame)
             except (KeyError, TypeError, ValueError, binascii.Error) as exc:
                 self.fail(f"the sandbox broke the agent protocol ({type(exc).__name__}: {str(exc)[:120]})")
+                return
+            if self._last_rid is not None and frame.get("rid") == self._last_rid and frame.get("ok") is True:
+                # the hand-over's reply: what follows on the channel is the runner's
+                self.fail(HANDED_OVER)
                 return
 
     def _handle(self, frame: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from tenantq.errors import InvalidInput, TenantqError
 from tenantq.sandbox.agent_link import AgentLink, SandboxGone
 from tenantq.sandbox.attach import SandboxInfo, SandboxNotFound
 from tenantq.sandbox.commands import CommandHandle, ExecResult
-from tenantq.sandbox.driver import SandboxDriver
+from tenantq.sandbox.driver import SandboxDriver, SnapshotDriver
 from tenantq.sandbox.drivers import get_driver
 from tenantq.sandbox.files import Filesystem
 from tenantq.sandbox.hostside import HostSandbox, Running, read_meta
@@ -106,6 +106,8 @@ class Sandbox:
         # the hosts it may reach (sandbox/api_egress.py), and their proxy
         self.egress: tuple[Rule, ...] = ()
         self._proxy: tuple[BatchProxy, EgressHub] | None = None
+        # its init is the queue's guest runner now (hand_over)
+        self.handed_over = False
 
     # -- making one ----------------------------------------------------------------
 
@@ -197,9 +199,7 @@ class Sandbox:
                   timeout: float) -> None:
         """A pooled sandbox becomes its owner's (sandbox/pool.py)."""
         labels = {API_LABEL: self.template, **{f"meta.{k}": v for k, v in metadata.items()}}
-        self._host.spec = dataclasses.replace(self._host.spec, tenant=tenant or "", labels=labels)
-        self._host.update_meta(tenant=tenant or "", labels=labels, dispatcher_pid=os.getpid())
-        self._host.extend_deadline(ttl)
+        self.assign(tenant=tenant or "", labels=labels, ttl=ttl)
         if env:
             self._link.send({"op": "env", "env": env})
         self.metadata, self.tenant, self.default_timeout = metadata, tenant, timeout
@@ -325,7 +325,70 @@ class Sandbox:
 
     def is_running(self) -> bool:
         alive = self._running.alive() if self._running is not None else True
-        return not self._host.destroyed and self._link.broken is None and alive
+        linked = self._link.broken is None or self.handed_over
+        return not self._host.destroyed and linked and alive
+
+    # -- the queue's sandboxes (sandbox/warm.py) ------------------------------------
+
+    @classmethod
+    def boot_for_runner(cls, chosen: SandboxDriver, spec: SandboxSpec, template: str) -> Sandbox:
+        """A sandbox of exactly `spec` (the queue's limits and mounts, a
+        read-only root), its agent started as the driver's supervisor (under
+        gVisor: the sandbox's root with the capabilities to run each job as
+        another uid, rule C1), and no host-side watchdog: the dispatcher's
+        own deadline (rule H5) and the reaper end it. Then `hand_over`."""
+        from tenantq.sandbox import boot
+
+        return boot.cold_agent(cls, chosen, spec, template=template, supervisor=True)
+
+    @classmethod
+    def restore_runner(cls, chosen: SandboxDriver, spec: SandboxSpec, image: Path, template: str) -> Sandbox:
+        """A new sandbox resumed from the checkpoint of a handed-over one (a
+        template, or a hibernated sandbox): its runner resumes inside its read
+        of the next command, on the new sandbox's channel."""
+        from tenantq.sandbox import boot
+
+        if not (chosen.snapshots and isinstance(chosen, SnapshotDriver)):
+            raise NotSupported(f"the {chosen.name} driver cannot restore checkpoints")
+        host, running = chosen.restore(spec, image, boot.agent_argv())
+        assert isinstance(host, HostSandbox) and isinstance(running, Running)
+        sandbox = cls(host, running, AgentLink(running.channel, read=False), chosen, template=template,
+                      metadata={}, timeout_seconds=BOOT_SECONDS)
+        sandbox.handed_over = True
+        return sandbox
+
+    def hand_over(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Running:
+        """The agent execs `argv` as the sandbox's init (the queue's guest
+        runner, guest/runner.py); its started process's channel, returned, is
+        then the caller's alone, and exec/files of this object refuse
+        (SandboxGone). Everything else stays: TTL, checkpoint, delete."""
+        if self._running is None:
+            raise NotSupported("only the process that created a sandbox can hand it over")
+        self._link.hand_over(list(argv), dict(env or {}), BOOT_SECONDS)
+        self.handed_over = True
+        return self._running
+
+    @property
+    def init_process(self) -> Running:
+        """The host's process of the sandbox's init (its channel's pipes)."""
+        assert self._running is not None
+        return self._running
+
+    def checkpoint_and_stop(self, image: Path) -> None:
+        """Save the sandbox to `image` (a new dir), which stops it (a
+        template's build, a hibernation); delete() then removes the rest."""
+        checkpoint = getattr(self._host, "checkpoint", None)
+        if checkpoint is None:
+            raise NotSupported(f"the {self._driver.name} driver cannot checkpoint")
+        checkpoint(image)
+
+    def assign(self, *, tenant: str, labels: dict[str, str], ttl: float) -> None:
+        """A pristine sandbox of the ready pool becomes one owner's: its
+        tenant, labels and TTL (the host's record of it, sandbox/pool.py)."""
+        self._host.spec = dataclasses.replace(self._host.spec, tenant=tenant, labels=labels)
+        self._host.update_meta(tenant=tenant, labels=labels, dispatcher_pid=os.getpid())
+        self._host.extend_deadline(ttl)
+        self.tenant = tenant or None
 
     def delete(self) -> bool:
         """End the sandbox and remove everything it left on the host;

@@ -101,19 +101,35 @@ def _wrap(cls: type[Sandbox], chosen: SandboxDriver, host: HostSandbox, running:
 
 def _cold(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec, *,
           env: dict[str, str], timeout: float) -> Sandbox:
+    path = ":".join(python_path(resolved))
+    host, running, link = _start_agent(chosen, spec, env={**env, "PYTHONPATH": path}, supervisor=False)
+    return _wrap(cls, chosen, host, running, link, resolved, spec, timeout)
+
+
+def cold_agent(cls: type[Sandbox], chosen: SandboxDriver, spec: SandboxSpec, *, template: str,
+               supervisor: bool) -> Sandbox:
+    """A sandbox of `spec` booted with the agent as its init, nothing else
+    (the queue's: Sandbox.boot_for_runner)."""
+    path = ":".join(guest_python(None).sys_path)
+    host, running, link = _start_agent(chosen, spec, env={"PYTHONPATH": path}, supervisor=supervisor)
+    return cls(host, running, link, chosen, template=template, metadata={}, timeout_seconds=BOOT_SECONDS)
+
+
+def _start_agent(chosen: SandboxDriver, spec: SandboxSpec, *, env: dict[str, str],
+                 supervisor: bool) -> tuple[HostSandbox, Running, AgentLink]:
     host = chosen.create(spec)
     assert isinstance(host, HostSandbox)
     try:
         # self_limiting: the agent is init and ends the sandbox at the
         # deadline itself (a `timeout` wrapper could not be extended by set_ttl)
-        running = host.start(agent_argv(), env={**env, "PYTHONPATH": ":".join(python_path(resolved))},
-                             self_limiting=True)
+        running = host.start(agent_argv(), env=env, self_limiting=True, supervisor=supervisor)
+        assert isinstance(running, Running)
         link = AgentLink(running.channel)
         link.wait_ready(BOOT_SECONDS)
     except BaseException:
         host.destroy()
         raise
-    return _wrap(cls, chosen, host, running, link, resolved, spec, timeout)
+    return host, running, link
 
 
 def run_warmups(sandbox: Sandbox, resolved: Resolved) -> None:

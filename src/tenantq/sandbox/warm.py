@@ -1,14 +1,23 @@
 """Where a batch's sandbox comes from, and where it goes afterwards.
 
+Every one of them is a Sandbox API sandbox (sandbox/api.py): made,
+restored, checkpointed and deleted by the same code as `Sandbox.create`'s,
+its agent then handing the sandbox's init over to the guest runner
+(`Sandbox.hand_over`: the agent execs the runner as pid 1 on its own
+channel, which is then the batch session's). The app's template is such a
+sandbox, booted with no tenant, the runner warm and idle, checkpointed.
+
 `WarmStarts.acquire(tenant)` tries, in order:
 1. an idle kept-warm sandbox of this tenant (never another tenant's) made
    from the current template key;
 2. this tenant's hibernated image;
-3. a restore from the template (built on first use: boot, warm up, checkpoint);
-4. a cold boot of the guest runner.
-Snapshots (2, 3) need a driver that can checkpoint (gVisor); where they fail
+3. a pristine sandbox from the ready pool (`--ready-pool N`: restored from
+   the template, or booted, ahead of demand; bound to the tenant only now);
+4. a restore from the template (built on first use: boot, warm up, checkpoint);
+5. a cold boot of the guest runner.
+Snapshots (2, 4) need a driver that can checkpoint (gVisor); where they fail
 tenantq says so once and goes on with cold boots. The process driver keeps
-sandboxes warm but has no snapshots.
+sandboxes warm (and pooled) but has no snapshots.
 
 `release(server, reusable)` puts a sandbox back for `--keep-warm` seconds,
 up to `--max-batches-per-sandbox` batches, or destroys it: a sandbox that saw
@@ -32,14 +41,18 @@ from tenantq.errors import InvalidInput
 from tenantq.guest.protocol import FrameError
 from tenantq.observe import metrics
 from tenantq.sandbox import records
+from tenantq.sandbox.agent_link import SandboxGone
+from tenantq.sandbox.api import NotSupported
+from tenantq.sandbox.api import Sandbox as ApiSandbox
 from tenantq.sandbox.channel import ChannelTimeout, GuestGone
-from tenantq.sandbox.driver import Running, Sandbox, SandboxDriver, SnapshotDriver, SnapshotSandbox
+from tenantq.sandbox.driver import Running, Sandbox, SandboxDriver, SnapshotDriver
+from tenantq.sandbox.pool import POOLED_TTL_SECONDS, PoolKey, ReadyPool
 from tenantq.sandbox.snapshots import SnapshotStore, Template
 from tenantq.sandbox.spec import SandboxSpec, SnapshotFailed
 
 log = logging.getLogger("tenantq.sandbox")
 
-Origin = Literal["cold", "template", "hibernated", "warm"]
+Origin = Literal["cold", "template", "hibernated", "warm", "pool"]
 READY_TIMEOUT_SECONDS = 120.0
 GRACEFUL_EXIT_SECONDS = 2.0
 
@@ -52,8 +65,12 @@ class WarmPolicy:
     hibernate_after: float | None = None
     # idle sandboxes kept per worker (each holds memory)
     max_idle: int = 8
+    # pristine sandboxes kept ready ahead of demand (the Sandbox API's pool)
+    ready_pool: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.ready_pool, bool) or not 0 <= self.ready_pool <= 64:
+            raise InvalidInput(f"--ready-pool must be from 0 to 64, got {self.ready_pool}")
         if self.keep_warm_seconds < 0:
             raise InvalidInput(f"--keep-warm must be 0 or more seconds, got {self.keep_warm_seconds:g}")
         if self.max_batches < 1:
@@ -67,8 +84,7 @@ class WarmPolicy:
 class GuestServer:
     """A sandbox whose guest runner waits for batches on its stdin."""
 
-    sandbox: Sandbox
-    running: Running
+    api: ApiSandbox
     origin: Origin
     key: str
     tenant: str
@@ -81,13 +97,23 @@ class GuestServer:
     # resumes inside its read of the next command
     needs_ready: bool = False
 
+    @property
+    def sandbox(self) -> Sandbox:
+        """The host's side of it (limits, dirs, TTL, OOM record)."""
+        host: Sandbox = self.api.host  # type: ignore[assignment]  # a driver's: GVisorSandbox, ProcessSandbox
+        return host
+
+    @property
+    def running(self) -> Running:
+        """Its init, the runner: the control channel's pipes."""
+        return self.api.init_process
+
     def destroy(self) -> None:
         if self.running.alive():
             # EOF tells an idle guest runner to exit: the cheapest clean end
             self.running.close_stdin()
             self.running.wait(GRACEFUL_EXIT_SECONDS)
-        self.sandbox.destroy()
-        self.running.close()
+        self.api.delete()
         if self.consumed_image is not None:
             shutil.rmtree(self.consumed_image, ignore_errors=True)
             self.consumed_image = None
@@ -102,12 +128,14 @@ class WarmStarts:
         self.argv = argv
         self.key_of = key
         self.app = app
+        self.template_name = f"app:{app}"
         self._idle: list[GuestServer] = []
         self._lock = threading.Condition()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.snapshots = policy.snapshots and driver.snapshots and isinstance(driver, SnapshotDriver)
         self.hibernation = self.snapshots and policy.hibernate_after is not None
+        self.pool = ReadyPool(policy.ready_pool) if policy.ready_pool > 0 else None
         if policy.snapshots and not driver.snapshots:
             log.warning("sandbox %s cannot checkpoint/restore: no templates, every sandbox boots cold%s",
                         driver.name, " (kept warm between batches)" if policy.keep_warm_seconds else "")
@@ -131,21 +159,47 @@ class WarmStarts:
             if image is not None:
                 try:
                     return self._count(self._restore(spec, image / "image", "hibernated", key, image))
-                except (SnapshotFailed, OSError) as exc:
+                except (SnapshotFailed, OSError, SandboxGone) as exc:
                     log.warning("could not restore hibernated sandbox of %s: %s", spec.tenant, exc)
                     shutil.rmtree(image, ignore_errors=True)
+        if self.pool is not None:
+            pooled = self.pool.take(self._pool_key(spec, key), lambda: self._pristine(spec, key))
+            if pooled is not None:
+                # nothing of a tenant was in it: now it is this one's, for good
+                pooled.assign(tenant=spec.tenant, labels=spec.labels, ttl=spec.ttl_seconds)
+                return self._count(GuestServer(pooled, "pool", key, spec.tenant))
+        return self._count(self._fresh(spec, key))
+
+    def _fresh(self, spec: SandboxSpec, key: str) -> GuestServer:
+        """Restored from the template where snapshots work, else booted."""
         if self.snapshots:
             template = self.template(spec, key)
             if template is not None:
                 self.store.touch(template)
-                return self._count(self._restore(spec, template.image, "template", key))
-        sandbox = self.driver.create(spec)
+                return self._restore(spec, template.image, "template", key)
+        sandbox = ApiSandbox.boot_for_runner(self.driver, spec, self.template_name)
         try:
-            running = sandbox.start(self.argv, self_limiting=True, supervisor=True)
+            sandbox.hand_over(self.argv)
         except BaseException:
-            sandbox.destroy()
+            sandbox.delete()
             raise
-        return self._count(GuestServer(sandbox, running, "cold", key, spec.tenant, needs_ready=True))
+        return GuestServer(sandbox, "cold", key, spec.tenant, needs_ready=True)
+
+    def _pool_key(self, spec: SandboxSpec, key: str) -> PoolKey:
+        return (f"{self.template_name}@{key}", self.driver.name, spec.memory_mb, spec.cpus)
+
+    def _pristine(self, like: SandboxSpec, key: str) -> ApiSandbox:
+        """A sandbox for the ready pool: no tenant, the pool's own TTL, its
+        runner booted (its ready frame read here) or restored."""
+        spec = replace(like, tenant="", labels={"pooled": self.template_name}, ttl_seconds=POOLED_TTL_SECONDS)
+        server = self._fresh(spec, key)
+        if server.needs_ready:
+            try:
+                self._await_ready(server.running)
+            except BaseException:
+                server.destroy()
+                raise
+        return server.api
 
     def _count(self, server: GuestServer) -> GuestServer:
         metrics.SANDBOX_STARTS.labels(self.driver.name, server.origin).inc()
@@ -153,9 +207,11 @@ class WarmStarts:
 
     def _restore(self, spec: SandboxSpec, image: Path, origin: Origin, key: str,
                  consumed: Path | None = None) -> GuestServer:
-        assert isinstance(self.driver, SnapshotDriver)
-        sandbox, running = self.driver.restore(spec, image, self.argv)
-        return GuestServer(sandbox, running, origin, key, spec.tenant, consumed_image=consumed)
+        try:
+            sandbox = ApiSandbox.restore_runner(self.driver, spec, image, self.template_name)
+        except NotSupported as exc:
+            raise SnapshotFailed(str(exc)) from None
+        return GuestServer(sandbox, origin, key, spec.tenant, consumed_image=consumed)
 
     def template(self, spec: SandboxSpec, key: str | None = None) -> Template | None:
         """The template for this spec's key, built if missing; None (said
@@ -164,31 +220,31 @@ class WarmStarts:
         meta = {"app": self.app, "memory_mb": spec.memory_mb, "cpus": spec.cpus, "max_pids": spec.max_pids}
         try:
             return self.store.get_or_build(key, meta, lambda image: self._build(spec, key, image))
-        except (SnapshotFailed, OSError) as exc:
+        except (SnapshotFailed, OSError, SandboxGone) as exc:
             self.disable_snapshots(f"building the template failed: {exc}")
             return None
 
     def _build(self, spec: SandboxSpec, key: str, image: Path) -> None:
         """Boot the guest runner, wait until it is warm and idle, checkpoint it."""
         started = time.monotonic()
-        sandbox = self.driver.create(replace(spec, tenant="template", labels={"template": key}))
-        running: Running | None = None
+        build_spec = replace(spec, tenant="template", labels={"template": key})
+        sandbox = ApiSandbox.boot_for_runner(self.driver, build_spec, self.template_name)
         try:
-            running = sandbox.start(self.argv, self_limiting=True, supervisor=True)
-            try:
-                fatal = records.boot(running.channel.receive(time.monotonic() + READY_TIMEOUT_SECONDS))
-            except (GuestGone, ChannelTimeout, FrameError, records.ProtocolViolation) as exc:
-                raise SnapshotFailed(f"the guest runner was not ready ({exc}): "
-                                     f"{running.stderr().strip()[-500:]}") from None
-            if fatal is not None:
-                raise SnapshotFailed(f"the guest runner could not boot: {fatal[-500:]}")
-            assert isinstance(sandbox, SnapshotSandbox)
-            sandbox.checkpoint(image)
+            self._await_ready(sandbox.hand_over(self.argv))
+            sandbox.checkpoint_and_stop(image)
         finally:
-            sandbox.destroy()
-            if running is not None:
-                running.close()
+            sandbox.delete()
         log.info("built template %s for %s in %.2f s", key, self.app, time.monotonic() - started)
+
+    @staticmethod
+    def _await_ready(running: Running) -> None:
+        try:
+            fatal = records.boot(running.channel.receive(time.monotonic() + READY_TIMEOUT_SECONDS))
+        except (GuestGone, ChannelTimeout, FrameError, records.ProtocolViolation) as exc:
+            raise SnapshotFailed(f"the guest runner was not ready ({exc}): "
+                                 f"{running.stderr().strip()[-500:]}") from None
+        if fatal is not None:
+            raise SnapshotFailed(f"the guest runner could not boot: {fatal[-500:]}")
 
     def disable_snapshots(self, reason: str) -> None:
         if self.snapshots:
@@ -256,13 +312,12 @@ class WarmStarts:
     def _hibernate(self, server: GuestServer) -> None:
         staging = self.store.hibernate_dir(server.tenant, server.key)
         try:
-            assert isinstance(server.sandbox, SnapshotSandbox)
-            server.sandbox.checkpoint(staging / "image")
+            server.api.checkpoint_and_stop(staging / "image")
             self.store.commit_hibernated(staging, {"tenant": server.tenant, "key": server.key,
                                                    "batches": server.batches})
             metrics.SANDBOX_HIBERNATED.labels(self.driver.name).inc()
             log.info("hibernated the idle sandbox of %s", server.tenant)
-        except (SnapshotFailed, OSError) as exc:
+        except (SnapshotFailed, OSError, NotSupported) as exc:
             shutil.rmtree(staging, ignore_errors=True)
             self.hibernation = False
             log.warning("hibernation off for this worker: %s; idle sandboxes are destroyed", exc)
@@ -277,5 +332,7 @@ class WarmStarts:
             self._lock.notify_all()
         for server in idle:
             server.destroy()
+        if self.pool is not None:
+            self.pool.close()
         if self._thread is not None:
             self._thread.join(timeout=60)
