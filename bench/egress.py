@@ -28,17 +28,17 @@ from rich.table import Table
 
 import tenantq
 from bench.common import machine_info, save, scratch_schema
+from tenantq.dispatch.executors.contract import EgressUsed, JobEnded, JobStarted
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+from tenantq.dispatch.executors.warm import WarmPolicy
+from tenantq.egress.config import EgressConfig
 from tenantq.egress.policy import EgressPolicy, parse_rules
 from tenantq.egress.proxy import AddressGuard, EgressHub
 from tenantq.registry import REGISTRY
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
-from tenantq.sandbox.egress import EgressConfig
-from tenantq.sandbox.executor import EgressUsed, JobEnded, JobStarted
-from tenantq.sandbox.warm import WarmPolicy
 from tenantq.store.model import Batch, ClaimedJob
 
 console = Console(width=150)

@@ -22,9 +22,9 @@ from rich.table import Table
 import tenantq
 from bench.common import machine_info, save, scratch_schema
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 
 console = Console(width=150)

@@ -26,17 +26,17 @@ from rich.table import Table
 import tenantq
 from bench.common import machine_info, save, scratch_schema
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import guest_python
 from tenantq.sandbox.spec import SandboxSpec
-from tenantq.sandbox.warm import WarmPolicy
 
 console = Console(width=150)
 APP = "bench.sandbox_app"

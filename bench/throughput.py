@@ -11,9 +11,9 @@ from rich.table import Table
 import tenantq
 from bench.common import machine_info, save, scratch_schema, summarise
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 
 console = Console(width=150)
 REGISTRY = Registry()

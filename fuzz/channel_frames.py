@@ -1,5 +1,5 @@
 """Fuzz target: the host's reader of the guest's control channel and the
-records it validates (sandbox/channel.py FrameReader, sandbox/records.py).
+records it validates (sandbox/channel.py FrameReader, dispatch/executors/records.py).
 
 Any byte stream a guest writes must end in frames, FrameError or
 ProtocolViolation, and nothing else: never another exception, never more
@@ -13,8 +13,8 @@ import sys
 import atheris
 
 with atheris.instrument_imports():
+    from tenantq.dispatch.executors import records
     from tenantq.guest.protocol import HEADER_BYTES, MAX_FRAME_BYTES, FrameError
-    from tenantq.sandbox import records
     from tenantq.sandbox.channel import FrameReader
 
 

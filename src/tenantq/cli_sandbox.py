@@ -7,8 +7,8 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: `tenantq --help` or `status` need none of them
-    from tenantq.sandbox.executor import BatchExecutor
-    from tenantq.sandbox.warm import WarmPolicy
+    from tenantq.dispatch.executors.contract import BatchExecutor
+    from tenantq.dispatch.executors.warm import WarmPolicy
     from tenantq.secrets import SecretsProvider
     from tenantq.tenant_data import AppDatabase
 
@@ -24,10 +24,10 @@ def make_executor(app: str, sandbox: str, policy: WarmPolicy,
 
     APP is imported here (see `load_app` for the forms it takes), so a broken
     or empty app fails before anything connects or starts."""
+    from tenantq.dispatch.executors.inline import InlineExecutor
+    from tenantq.dispatch.executors.sandboxed import SandboxExecutor
     from tenantq.registry import REGISTRY, load_app
-    from tenantq.sandbox.batch import SandboxExecutor
     from tenantq.sandbox.drivers import get_driver
-    from tenantq.sandbox.inline import InlineExecutor
     from tenantq.settings import Settings
 
     module = load_app(app)

@@ -91,8 +91,8 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
 @click.option("--sandbox", type=click.Choice(["auto", "gvisor"]), default="auto", show_default=True)
 def template_build(app: str, sandbox: str) -> None:
     """Build the queue app's checkpoint now (workers otherwise build it on first use)."""
-    from tenantq.sandbox.batch import SandboxExecutor
-    from tenantq.sandbox.warm import WarmPolicy
+    from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+    from tenantq.dispatch.executors.warm import WarmPolicy
 
     executor = make_executor(app, "gvisor" if sandbox == "auto" else sandbox, WarmPolicy())
     assert isinstance(executor, SandboxExecutor)

@@ -86,6 +86,7 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     Prints its stats as one JSON line on stderr when it stops.
     """
     from tenantq.cli_sandbox import make_executor
+    from tenantq.dispatch.executors.warm import WarmPolicy
     from tenantq.dispatch.outcome import Backoff
     from tenantq.dispatch.worker import Worker, WorkerConfig
     from tenantq.fairness.drr import Mode
@@ -95,7 +96,6 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.observe.metrics import serve_worker_metrics
     from tenantq.queue import Queue
     from tenantq.registry import load_app
-    from tenantq.sandbox.warm import WarmPolicy
     from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
     from tenantq.settings import Settings
     from tenantq.tenant_data import AppDatabase

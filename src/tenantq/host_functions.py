@@ -53,7 +53,7 @@ class CallLimits:
     calls_per_batch: int = 1000
     call_timeout: float = 10.0
     in_flight_per_batch: int = 4
-    # the host's side of the socket (sandbox/host_calls.py): how long it
+    # the host's side of the socket (dispatch/executors/host_calls.py): how long it
     # waits for a request's bytes, and the connections a batch may hold
     # open beyond its calls in flight (more are closed unanswered)
     read_timeout: float = 10.0

@@ -13,11 +13,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.queue import Queue
 from tenantq.registry import REGISTRY, Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.tenant_data import AppDatabase
 

@@ -13,8 +13,8 @@ import pytest
 import tenantq
 import tests.apps.basic  # noqa: F401  (registers the test handlers)
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
 

@@ -20,12 +20,12 @@ import pytest
 
 import tenantq
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import JobNotFound
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.store.model import JobInfo
 from tenantq.testing import wait_until

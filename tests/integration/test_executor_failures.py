@@ -11,10 +11,10 @@ from typing import Any
 
 import tenantq
 from tenantq import Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
 from tests.integration.helpers import WorkerThread, running

@@ -17,11 +17,11 @@ import pytest
 from psycopg import sql as pgsql
 
 from tenantq import Queue
+from tenantq.dispatch.executors.contract import JobEnded, JobStarted, Report
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import MAX_CREDIT, MAX_JOB_SECONDS, Mode
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.store import jobs
 from tenantq.store.db import Database
 from tenantq.store.migrate import migrate

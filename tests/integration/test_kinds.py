@@ -13,12 +13,12 @@ import pytest
 
 import tenantq
 from tenantq import Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.picker import PROBE_LIMIT
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store import workers
 from tenantq.store.db import Database
 from tenantq.store.workers import WorkerRecord

@@ -16,11 +16,11 @@ from prometheus_client import generate_latest
 import tenantq
 import tests.apps.basic  # noqa: F401  (registers the test handlers)
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadLetterAlerts
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
 

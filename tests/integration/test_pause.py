@@ -14,11 +14,11 @@ import pytest
 
 import tenantq
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import InvalidInput
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
 from tests.integration.helpers import fetch_all, running

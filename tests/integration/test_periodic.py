@@ -24,11 +24,11 @@ import pytest
 
 import tenantq
 from tenantq import Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.errors import InvalidInput
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store import schedules
 from tenantq.store.cron import next_fire, wall_clock
 from tenantq.store.db import Database

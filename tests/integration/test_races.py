@@ -11,9 +11,9 @@ from typing import Any
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.fairness import ClaimRequest, claim_next
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store import jobs
 from tenantq.store.db import Database
 from tenantq.store.model import Settlement

@@ -17,12 +17,12 @@ import pytest
 import tenantq
 from tenantq import JobSpec, Queue
 from tenantq.dispatch import maintenance
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.observe import metrics
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.settings import Settings
 from tenantq.store import jobs
 from tenantq.store.db import Database

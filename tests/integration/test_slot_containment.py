@@ -20,11 +20,11 @@ from psycopg.conninfo import make_conninfo
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
+from tenantq.dispatch.executors.contract import JobEnded, JobStarted, Report
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff, is_transient
 from tenantq.dispatch.settle import BatchRun
 from tenantq.dispatch.worker import Worker, WorkerConfig
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.store.model import Batch
 from tenantq.testing import wait_until

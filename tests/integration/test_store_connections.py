@@ -17,10 +17,10 @@ from psycopg.conninfo import make_conninfo
 import tenantq
 from tenantq import JobSpec, Queue
 from tenantq.dispatch.config import DEFAULT_MAX_STORE_CONNECTIONS
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import InvalidInput
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tests.integration.helpers import running
 

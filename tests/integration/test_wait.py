@@ -40,11 +40,11 @@ from tenantq.client.listener import (
     CompletionListener,
     listener_for,
 )
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.queue import POOL_MAX
 from tenantq.registry import Registry
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store import jobs
 from tenantq.store.db import Database
 from tenantq.store.model import Batch, Settlement

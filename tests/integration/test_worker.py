@@ -9,10 +9,10 @@ from pathlib import Path
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
+from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.fairness import ClaimRequest, claim_next
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.store.db import Database
 from tenantq.testing import drain, wait_until
 from tests.integration.helpers import WorkerThread, db_now, fetch_all, running, scalar, status_counts

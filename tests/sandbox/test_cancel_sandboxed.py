@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.channel import Channel
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.store.db import Database

@@ -18,13 +18,13 @@ import pytest
 
 import tests.apps.net  # noqa: F401  (registers net.* here too: the host applies handler narrowing)
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.egress.config import EgressConfig
 from tenantq.egress.tls import TenantCA
 from tenantq.observe import metrics
 from tenantq.registry import REGISTRY
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.sandbox.egress import EgressConfig
 from tenantq.secrets import FileSecrets
 from tenantq.store.db import Database
 from tenantq.testing import wait_until

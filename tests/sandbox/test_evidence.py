@@ -11,12 +11,12 @@ from typing import Any
 
 import tests.apps.hostile  # noqa: F401  (registers the box.* handlers in this process too)
 from tenantq import JobSpec, Queue
+from tenantq.dispatch.executors.contract import Report
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.sandbox.executor import Report
 from tenantq.store.db import Database
 from tenantq.store.model import Batch
 from tests.acceptance.helpers import Cli

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from tenantq import Sandbox
+from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
-from tenantq.sandbox.warm import GuestServer, WarmPolicy
 from tenantq.testing import wait_until
 from tests.sandbox.conftest import Leftovers
 from tests.sandbox.test_warm import Harness, needs_runsc

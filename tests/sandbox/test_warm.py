@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 import tests.apps.warm  # noqa: F401  (registers the warm.* handlers in this process too)
+from tenantq.dispatch.executors.contract import JobEnded, JobStarted
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy
 from tenantq.registry import REGISTRY, Registry
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
-from tenantq.sandbox.executor import JobEnded, JobStarted
-from tenantq.sandbox.warm import GuestServer, WarmPolicy
 from tenantq.store.model import Batch, ClaimedJob
 from tenantq.testing import wait_until
 from tests.sandbox.conftest import RUNSC_OK, Leftovers, files_containing, runsc_containers, sandbox_dirs

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
+from tenantq.dispatch.executors import records
+from tenantq.dispatch.executors.records import ProtocolViolation
 from tenantq.guest.protocol import HEADER_BYTES, MAX_FRAME_BYTES, FrameError, encode
-from tenantq.sandbox import records
 from tenantq.sandbox.channel import FrameReader
-from tenantq.sandbox.records import ProtocolViolation
 
 
 def _feed_all(data: bytes, step: int) -> list[dict[str, object]]:

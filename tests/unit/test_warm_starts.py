@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.errors import InvalidInput
 from tenantq.guest.protocol import FrameFile as Frames
 from tenantq.guest.protocol import encode as frame
@@ -17,7 +18,6 @@ from tenantq.registry import Registry, handler
 from tenantq.sandbox.layout import GuestPython
 from tenantq.sandbox.snapshots import SnapshotStore, template_key
 from tenantq.sandbox.spec import SandboxSpec
-from tenantq.sandbox.warm import WarmPolicy
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -36,16 +36,16 @@ from tenantq import Queue
 from tenantq.demo import appdb, scene_fair, scene_reports, scene_reserve, workload
 from tenantq.demo.report import closing_lines, embedded_running, sandboxes_line
 from tenantq.demo.stage import Stage
+from tenantq.dispatch.executors.contract import BatchExecutor
+from tenantq.dispatch.executors.inline import InlineExecutor
+from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.egress.config import EgressConfig
 from tenantq.errors import InvalidInput, TenantqError
 from tenantq.registry import REGISTRY, load_app
-from tenantq.sandbox.batch import SandboxExecutor
 from tenantq.sandbox.drivers import get_driver
-from tenantq.sandbox.egress import EgressConfig
-from tenantq.sandbox.executor import BatchExecutor
-from tenantq.sandbox.inline import InlineExecutor
-from tenantq.sandbox.warm import WarmPolicy
 from tenantq.settings import Settings
 from tenantq.store.db import Database
 from tenantq.tenant_data import AppDatabase

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 import psycopg
 
+from tenantq.dispatch.executors.contract import BatchExecutor
 from tenantq.errors import InvalidInput
-from tenantq.sandbox.executor import BatchExecutor
 from tenantq.store import workers
 from tenantq.store.db import Conn, Pool
 from tenantq.store.workers import WorkerRecord

@@ -34,13 +34,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from tenantq.dispatch.cancels import cancelled_error
+from tenantq.dispatch.executors.contract import EgressUsed, Event, HostCallsUsed, JobEnded, JobStarted
 from tenantq.dispatch.outcome import failed, first_line, is_transient, last_resort, succeeded, unstorable
 from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
 from tenantq.host_functions import merge_counts
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob
-from tenantq.sandbox.executor import EgressUsed, Event, HostCallsUsed, JobEnded, JobStarted
 from tenantq.store import jobs
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, ClaimedJob, Settlement

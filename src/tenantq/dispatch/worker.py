@@ -43,6 +43,8 @@ import psycopg
 
 from tenantq.dispatch.cancels import CancelBook
 from tenantq.dispatch.config import WorkerConfig, WorkerStats, default_worker_id
+from tenantq.dispatch.executors.contract import BatchExecutor
+from tenantq.dispatch.executors.inline import describe_exception
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance, driver_reaper, sync_app_schedules
 from tenantq.dispatch.outcome import first_line, is_transient
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
@@ -53,8 +55,6 @@ from tenantq.fairness import ClaimRequest, PickNotes, claim_next
 from tenantq.fairness.slots import class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
-from tenantq.sandbox.executor import BatchExecutor
-from tenantq.sandbox.inline import describe_exception
 from tenantq.store.db import Database, Pool
 from tenantq.store.model import Batch
 from tenantq.store.queries import sql

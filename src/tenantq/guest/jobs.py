@@ -34,7 +34,7 @@ from tenantq.guest.protocol import (
 )
 
 TRACEBACK_LINES = 12
-# the batch's host-function socket (sandbox/host_calls.py), bound read-only by the host
+# the batch's host-function socket (dispatch/executors/host_calls.py), bound read-only by the host
 HOST_FUNCTIONS_SOCKET = "/tenantq/egress/hostfn.sock"
 RESULT_FD = 3
 COMMAND_FD = 4  # further jobs, for a handler with process="batch"

@@ -40,7 +40,7 @@ MAX_FRAME_BYTES = (1 << 20) + (64 << 10)
 MAX_JSON_DEPTH = 64
 MAX_ERROR_CHARS = 4000
 # a ctx.call request (name and args as JSON): the host refuses larger ones
-# before reading them (sandbox/host_calls.py)
+# before reading them (dispatch/executors/host_calls.py)
 MAX_CALL_REQUEST_BYTES = 64 << 10
 OUTPUT_TAIL_BYTES = 1024
 JOB_REASONS = ("exception", "timeout", "oom", "unknown_kind", "crashed", "unstorable", "cancelled")

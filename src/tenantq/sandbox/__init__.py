@@ -1,10 +1,8 @@
-"""Where a batch runs. `inline` runs handlers in the dispatcher process (the
-trusted shared-fleet path); sandboxed drivers come with the sandbox layer."""
+"""Sandboxes: the Sandbox API (`api.py`, `from tenantq import Sandbox`), its
+drivers (`drivers/`), templates, the ready pool. The queue's batch
+executors, which run on this API, are in `tenantq.dispatch.executors`."""
 
 from typing import TYPE_CHECKING, Any
-
-from tenantq.sandbox.executor import BatchExecutor, JobEnded, JobStarted
-from tenantq.sandbox.inline import InlineExecutor
 
 if TYPE_CHECKING:
     from tenantq.sandbox.client import Client
@@ -18,4 +16,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tenantq.sandbox' has no attribute {name!r}")
 
 
-__all__ = ["BatchExecutor", "Client", "InlineExecutor", "JobEnded", "JobStarted"]
+__all__ = ["Client"]

@@ -328,7 +328,7 @@ class Sandbox:
         linked = self._link.broken is None or self.handed_over
         return not self._host.destroyed and linked and alive
 
-    # -- the queue's sandboxes (sandbox/warm.py) ------------------------------------
+    # -- the queue's sandboxes (dispatch/executors/warm.py) ------------------------------------
 
     @classmethod
     def boot_for_runner(cls, chosen: SandboxDriver, spec: SandboxSpec, template: str) -> Sandbox:

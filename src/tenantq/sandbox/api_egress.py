@@ -1,7 +1,7 @@
 """Egress for Sandbox API sandboxes: `Sandbox.create(egress=["api.example.com",
 "*.example.org:443"])`.
 
-The same way out as a queue batch's (sandbox/egress.py, docs/egress.md): the
+The same way out as a queue batch's (dispatch/executors/egress.py, docs/egress.md): the
 sandbox has no network; the host listens on a Unix socket in the sandbox's
 host-only egress dir (bound read-only into it, so only that sandbox can
 connect), the agent forwards the sandbox's loopback to it and sets
@@ -41,7 +41,7 @@ def rules(value: str | Iterable[str] | None) -> tuple[Rule, ...]:
 
 
 def _get_hub(config: object | None = None) -> EgressHub:
-    from tenantq.sandbox.egress import EgressConfig
+    from tenantq.egress.config import EgressConfig
 
     config = config or EgressConfig.from_settings()
     assert isinstance(config, EgressConfig)

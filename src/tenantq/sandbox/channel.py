@@ -7,7 +7,7 @@ than one frame (header + at most MAX_FRAME_BYTES) however much the guest
 writes, and refuses anything that is not a well-formed frame of a JSON
 object. The channel is a pipe the host made, not a file in a directory the
 guest can change, so there is no path to follow (docs/security.md, rules
-H1 and H3). Frames are hostile input: see `sandbox/records.py`.
+H1 and H3). Frames are hostile input: see `dispatch/executors/records.py`.
 """
 
 from __future__ import annotations

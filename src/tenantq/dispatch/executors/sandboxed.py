@@ -25,20 +25,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
+from tenantq.dispatch.executors.contract import HostCallsUsed, JobEnded, JobStarted, Report
+from tenantq.dispatch.executors.egress import EgressProxies
+from tenantq.dispatch.executors.host_calls import SOCKET_NAME as HOST_CALLS_SOCKET
+from tenantq.dispatch.executors.host_calls import CallServer
+from tenantq.dispatch.executors.inline import InlineExecutor
+from tenantq.dispatch.executors.session import BatchSession
+from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy, WarmStarts
+from tenantq.egress.config import EgressConfig
 from tenantq.host_functions import Caller, CallGate
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.sandbox.egress import EgressConfig, EgressProxies
-from tenantq.sandbox.executor import HostCallsUsed, JobEnded, JobStarted, Report
-from tenantq.sandbox.host_calls import SOCKET_NAME as HOST_CALLS_SOCKET
-from tenantq.sandbox.host_calls import CallServer
-from tenantq.sandbox.inline import InlineExecutor
 from tenantq.sandbox.layout import GuestPython, guest_python
-from tenantq.sandbox.session import BatchSession
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
-from tenantq.sandbox.warm import GuestServer, WarmPolicy, WarmStarts
 from tenantq.secrets import SecretsProvider
 from tenantq.store.model import Batch, ClaimedJob
 from tenantq.tenant_data import AppDatabase

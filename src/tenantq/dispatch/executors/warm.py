@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from tenantq.dispatch.executors import records
 from tenantq.errors import InvalidInput
 from tenantq.guest.protocol import FrameError
 from tenantq.observe import metrics
-from tenantq.sandbox import records
 from tenantq.sandbox.agent_link import SandboxGone
 from tenantq.sandbox.api import NotSupported
 from tenantq.sandbox.api import Sandbox as ApiSandbox

@@ -20,13 +20,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tenantq.dispatch.executors import records
+from tenantq.dispatch.executors.contract import JobEnded, JobStarted, Report
+from tenantq.dispatch.executors.records import ProtocolViolation
 from tenantq.guest.protocol import FrameError
 from tenantq.registry import Registry
-from tenantq.sandbox import records
 from tenantq.sandbox.channel import ChannelTimeout, GuestGone
-from tenantq.sandbox.executor import JobEnded, JobStarted, Report
 from tenantq.sandbox.hostside import MAX_STDERR_BYTES
-from tenantq.sandbox.records import ProtocolViolation
 from tenantq.sandbox.spec import End, ExecResult
 from tenantq.store.model import Batch, ClaimedJob
 
@@ -63,7 +63,7 @@ class BatchEnded(Exception):
 
 class BatchSession:
     def __init__(self, server: object, registry: Registry, report: Report, job_uid: int | None) -> None:
-        from tenantq.sandbox.warm import GuestServer
+        from tenantq.dispatch.executors.warm import GuestServer
 
         assert isinstance(server, GuestServer)
         self.server = server

@@ -16,9 +16,10 @@ from __future__ import annotations
 import secrets as random_tokens
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
+from tenantq.dispatch.executors.contract import EgressUsed
+from tenantq.egress.config import CA_NAME, SOCKET_NAME, EgressConfig
 from tenantq.egress.inject import Injection
 from tenantq.egress.policy import EgressPolicy, Rule, parse_rules
 from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
@@ -26,28 +27,8 @@ from tenantq.egress.tls import CAStore, upstream_context
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import Sandbox
-from tenantq.sandbox.executor import EgressUsed
 from tenantq.secrets import NoSecrets, SecretsProvider
 from tenantq.store.model import Batch
-
-SOCKET_NAME = "proxy.sock"
-CA_NAME = "ca.pem"
-
-
-@dataclass(frozen=True)
-class EgressConfig:
-    # networks the proxy may connect to although they are internal (tests,
-    # deliberate setups); TENANTQ_EGRESS_ALLOW_NETWORKS
-    allow_networks: tuple[str, ...] = ()
-    # one more CA file to trust for upstream TLS; TENANTQ_EGRESS_UPSTREAM_CA
-    upstream_ca: str | None = None
-
-    @classmethod
-    def from_settings(cls) -> EgressConfig:
-        from tenantq.settings import Settings
-
-        settings = Settings()
-        return cls(tuple(settings.egress_networks()), settings.egress_upstream_ca)
 
 
 class EgressProxies:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from tenantq.dispatch.executors.contract import HostCallsUsed, JobEnded, JobStarted, Report
 from tenantq.host_functions import Caller, CallGate, limits_from_settings
 from tenantq.registry import Cancellation, JobContext, Registry
-from tenantq.sandbox.executor import HostCallsUsed, JobEnded, JobStarted, Report
 from tenantq.store.model import Batch, ClaimedJob
 
 if TYPE_CHECKING:
