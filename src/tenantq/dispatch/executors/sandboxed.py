@@ -257,4 +257,6 @@ class SandboxExecutor:
 
 
 def _runner_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "guest" / "runner.py"
+    import tenantq.guest
+
+    return Path(tenantq.guest.__file__).resolve().parent / "runner.py"
