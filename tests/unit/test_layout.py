@@ -27,7 +27,8 @@ def imports(path: Path, *, module_level: bool) -> set[str]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and isinstance(child.test, ast.Name) and child.test.id == "TYPE_CHECKING":
+            test = child.test if isinstance(child, ast.If) else None
+            if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
                 continue
             if module_level and isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
                 continue
@@ -94,7 +95,7 @@ def test_no_module_level_import_cycle() -> None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append([*stack[stack.index(nxt):], nxt])
             elif nxt not in state:
                 walk(nxt)
         stack.pop()
