@@ -93,29 +93,35 @@ def _meta(server: Acquired) -> dict[str, Any]:
     return meta
 
 
+def _pool_key(h: Harness) -> Any:
+    spec = h.executor.spec("", 60)
+    return h.executor.warm._pool_key(spec, h.executor.template_key(spec))
+
+
 def test_every_batch_sandbox_is_made_through_the_sandbox_api(
         driver_name: str, data_dir: Path, harness: Callable[..., Harness]) -> None:
     driver = _driver(driver_name, data_dir)
     callers = Callers(driver)
     hibernate = driver_name == "gvisor"
-    h = harness(driver, WarmPolicy(keep_warm_seconds=30, hibernate_after=1.0 if hibernate else None,
-                                   ready_pool=1))
+    h = harness(driver, WarmPolicy(keep_warm_seconds=30, hibernate_after=1.0 if hibernate else None))
     servers = _servers(h)
-    h.result("warm.state", tenant="acme")          # the pool was empty: template or cold
+    h.result("warm.state", tenant="acme")          # a template restore (gvisor) or a cold boot
     h.result("warm.state", tenant="acme")          # kept warm
-    key = h.executor.warm._pool_key(h.executor.spec("acme", 60), h.executor.template_key(
-        h.executor.spec("acme", 60)))
-    assert h.executor.warm.pool is not None
-    wait_until(lambda: h.executor.warm.pool.ready(key) == 1, timeout=120,  # type: ignore[union-attr]
-               message="the ready pool to fill")
-    h.result("warm.state", tenant="globex")        # from the pool
     if hibernate:
         wait_until(lambda: h.executor.warm.idle_count() == 0 and h.executor.store.hibernated(), timeout=60,
-                   message="the idle sandboxes to hibernate")
+                   message="the idle sandbox to hibernate")
         h.result("warm.state", tenant="acme")      # restored from acme's hibernated image
+    pooled = harness(driver, WarmPolicy(ready_pool=1))
+    pool = pooled.executor.warm.pool
+    assert pool is not None
+    # the pool fills from the executor's start, before any batch
+    wait_until(lambda: pool.ready(_pool_key(pooled)) == 1, timeout=120, message="the ready pool to fill")
+    from_pool = _servers(pooled)
+    pooled.result("warm.state", tenant="globex")   # from the pool
+    servers = servers + from_pool
     origins = [s.origin for s in servers]
     first = "template" if driver_name == "gvisor" else "cold"
-    assert origins == [first, "warm", "pool", *(["hibernated"] if hibernate else [])], origins
+    assert origins == [first, "warm", *(["hibernated"] if hibernate else []), "pool"], origins
     for acquired in servers:
         assert isinstance(acquired.api, Sandbox) and acquired.api.handed_over, acquired.origin
     assert callers.seen, "no sandbox was made"
@@ -127,11 +133,9 @@ def test_the_ready_pool_binds_a_pristine_sandbox_to_a_tenant_only_when_its_batch
         driver_name: str, data_dir: Path, harness: Callable[..., Harness]) -> None:
     h = harness(_driver(driver_name, data_dir), WarmPolicy(ready_pool=1))
     servers = _servers(h)
-    spec = h.executor.spec("acme", 60)
-    key = h.executor.warm._pool_key(spec, h.executor.template_key(spec))
+    key = _pool_key(h)
     pool = h.executor.warm.pool
     assert pool is not None
-    h.result("warm.state", tenant="acme")
     wait_until(lambda: pool.ready(key) == 1, timeout=120, message="the ready pool to fill")
     with pool._lock:
         (waiting,) = pool._ready[key]

@@ -25,8 +25,9 @@ def public(cls: type) -> set[str]:
 
 @pytest.mark.parametrize(("sync_cls", "async_cls", "skip"), [
     # what the sync Sandbox has beyond the documented API: the parts other
-    # modules of tenantq use (the pool, fork, the CLI), not for users
-    (Sandbox, AsyncSandbox, {"watch", "link", "oom_count", "end_reason", "sync"}),
+    # modules of tenantq use (the pool, fork, the CLI, the queue's executor), not for users
+    (Sandbox, AsyncSandbox, {"watch", "link", "oom_count", "end_reason", "sync", "boot_for_runner",
+                             "restore_runner", "hand_over", "checkpoint_and_stop", "assign"}),
     (Filesystem, aio.AsyncFilesystem, set()),
     (CommandHandle, aio.AsyncCommandHandle, set()),
 ])

@@ -62,6 +62,17 @@ class ReadyPool:
         self._wake.set()
         return found
 
+    def fill(self, key: PoolKey, make: Callable[[], Sandbox]) -> None:
+        """Start keeping this kind ready now, before its first take (a worker
+        at start)."""
+        if self.size <= 0:
+            return
+        with self._lock:
+            self._makers.setdefault(key, make)
+            self._ready.setdefault(key, deque())
+            self._start()
+        self._wake.set()
+
     def ready(self, key: PoolKey) -> int:
         with self._lock:
             return len(self._ready.get(key, ()))

@@ -94,6 +94,8 @@ class SandboxExecutor:
         self.memory_mb = max(sandboxed, default=256) + SANDBOX_OVERHEAD_MB
         self.egress = EgressProxies(registry, driver.data_dir, egress, secrets)
         self._keys: dict[tuple[object, ...], tuple[float, str]] = {}
+        # --ready-pool: pristine sandboxes from the start, before the first batch
+        self.warm.fill_pool(self.spec("", 60))
 
     def template_key(self, spec: SandboxSpec) -> str:
         """The spec's template key, re-derived at most every KEY_RECHECK_SECONDS:

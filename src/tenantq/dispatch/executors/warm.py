@@ -170,6 +170,13 @@ class WarmStarts:
                 return self._count(GuestServer(pooled, "pool", key, spec.tenant))
         return self._count(self._fresh(spec, key))
 
+    def fill_pool(self, spec: SandboxSpec) -> None:
+        """Have the ready pool of sandboxes like `spec` filled from now on
+        (the executor's start), not only after the first batch."""
+        if self.pool is not None:
+            key = self.key_of(spec)
+            self.pool.fill(self._pool_key(spec, key), lambda: self._pristine(spec, key))
+
     def _fresh(self, spec: SandboxSpec, key: str) -> GuestServer:
         """Restored from the template where snapshots work, else booted."""
         if self.snapshots:

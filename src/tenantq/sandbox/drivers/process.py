@@ -141,8 +141,14 @@ class ProcessSandbox(HostSandbox):
         for link in ("bin", "lib", "lib64", "sbin"):
             args += ["--symlink", f"usr/{link}", f"/{link}"]
         # --mqueue: POSIX message queues show up there, so the guest can empty them (rule P1)
+        # /dev is bwrap's own tmpfs (device nodes, /dev/stdout links): made
+        # read-only below, as under gVisor, or a job could leave files (and
+        # relinked /dev/stdout) there for the next job, which no cleaner
+        # empties (rule P1); /dev/shm is a capped tmpfs of its own, emptied
+        # before every job like /tmp
         args += ["--ro-bind", str(self.skeleton / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
                  "--mqueue", "/dev/mqueue",
+                 "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
                  "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         for m in spec.mounts:
             args += ["--ro-bind", m.source, m.target]
@@ -155,7 +161,7 @@ class ProcessSandbox(HostSandbox):
                 args += ["--dir", f"/{d}"]
         args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
                  "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR,
-                 *([] if spec.writable_root else ["--remount-ro", "/"]),
+                 *([] if spec.writable_root else ["--remount-ro", "/"]), "--remount-ro", "/dev",
                  "--chdir", "/" if spec.writable_root else GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
             args += ["--setenv", key, value]
