@@ -73,6 +73,15 @@ class ReadyPool:
             self._start()
         self._wake.set()
 
+    def forget(self, key: PoolKey) -> None:
+        """Stop keeping this kind ready and delete what waits of it (the
+        queue's template key changed: the app's code was edited)."""
+        with self._lock:
+            self._makers.pop(key, None)
+            left = list(self._ready.pop(key, ()))
+        for sandbox in left:
+            threading.Thread(target=sandbox.delete, daemon=True).start()
+
     def ready(self, key: PoolKey) -> int:
         with self._lock:
             return len(self._ready.get(key, ()))

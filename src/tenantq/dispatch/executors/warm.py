@@ -136,6 +136,7 @@ class WarmStarts:
         self.snapshots = policy.snapshots and driver.snapshots and isinstance(driver, SnapshotDriver)
         self.hibernation = self.snapshots and policy.hibernate_after is not None
         self.pool = ReadyPool(policy.ready_pool) if policy.ready_pool > 0 else None
+        self._pooling: PoolKey | None = None  # the kind the pool keeps ready now
         if policy.snapshots and not driver.snapshots:
             log.warning("sandbox %s cannot checkpoint/restore: no templates, every sandbox boots cold%s",
                         driver.name, " (kept warm between batches)" if policy.keep_warm_seconds else "")
@@ -163,7 +164,7 @@ class WarmStarts:
                     log.warning("could not restore hibernated sandbox of %s: %s", spec.tenant, exc)
                     shutil.rmtree(image, ignore_errors=True)
         if self.pool is not None:
-            pooled = self.pool.take(self._pool_key(spec, key), lambda: self._pristine(spec, key))
+            pooled = self.pool.take(self._pooled_kind(spec, key), lambda: self._pristine(spec, key))
             if pooled is not None:
                 # nothing of a tenant was in it: now it is this one's, for good
                 pooled.assign(tenant=spec.tenant, labels=spec.labels, ttl=spec.ttl_seconds)
@@ -175,7 +176,7 @@ class WarmStarts:
         (the executor's start), not only after the first batch."""
         if self.pool is not None:
             key = self.key_of(spec)
-            self.pool.fill(self._pool_key(spec, key), lambda: self._pristine(spec, key))
+            self.pool.fill(self._pooled_kind(spec, key), lambda: self._pristine(spec, key))
 
     def _fresh(self, spec: SandboxSpec, key: str) -> GuestServer:
         """Restored from the template where snapshots work, else booted."""
@@ -194,6 +195,16 @@ class WarmStarts:
 
     def _pool_key(self, spec: SandboxSpec, key: str) -> PoolKey:
         return (f"{self.template_name}@{key}", self.driver.name, spec.memory_mb, spec.cpus)
+
+    def _pooled_kind(self, spec: SandboxSpec, key: str) -> PoolKey:
+        """The pool's kind for this spec; a new template key (the app was
+        edited) retires the old kind's waiting sandboxes."""
+        kind = self._pool_key(spec, key)
+        assert self.pool is not None
+        if self._pooling is not None and self._pooling != kind:
+            self.pool.forget(self._pooling)
+        self._pooling = kind
+        return kind
 
     def _pristine(self, like: SandboxSpec, key: str) -> ApiSandbox:
         """A sandbox for the ready pool: no tenant, the pool's own TTL, its
