@@ -5,7 +5,7 @@ written to PATH in a fresh project directory. Shell blocks run there, line
 by line, with the installed `tenantq` and `python` on PATH, against a
 schema of this test's own. The first block (`./run demo`, `./run test`) is
 the README's two commands: `./run test` is what CI runs (.ci/run), and the
-demo has its own test (tests/acceptance/test_demo.py)."""
+demo has its own test (tests/acceptance_sandboxed/test_demo.py)."""
 
 from __future__ import annotations
 
