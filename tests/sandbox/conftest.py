@@ -343,3 +343,21 @@ def pg_data_directory(db: Database) -> str:
         row = conn.execute("SHOW data_directory").fetchone()
     assert row is not None
     return str(next(iter(row.values())))
+
+
+@pytest.fixture
+def harness(leftovers: Leftovers) -> Iterator[Callable[..., Any]]:
+    """Make Harnesses (tests/sandbox/warm_harness.py); each one's executor is
+    closed after the test, before the leftovers are checked."""
+    from tests.sandbox.warm_harness import Harness
+
+    made: list[Harness] = []
+
+    def make(driver: SandboxDriver, policy: Any, **kw: Any) -> Harness:
+        h = Harness(driver, policy, **kw)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.executor.close()

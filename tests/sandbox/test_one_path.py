@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,8 @@ from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
 from tenantq.testing import wait_until
-from tests.sandbox.conftest import Leftovers
-from tests.sandbox.test_warm import Harness, needs_runsc
+from tests.sandbox.test_warm import needs_runsc
+from tests.sandbox.warm_harness import Harness
 
 API_MODULES = {"tenantq.sandbox.boot", "tenantq.sandbox.api", "tenantq.sandbox.forking"}
 # a driver's restore makes its new sandbox with its own create (the restore's caller is checked)
@@ -50,20 +50,6 @@ class Callers:
             self.seen.append((name, str(caller)))
             return original(*args, **kwargs)
         return call
-
-
-@pytest.fixture
-def harness(leftovers: Leftovers) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def make(driver: SandboxDriver, policy: WarmPolicy, **kw: Any) -> Harness:
-        h = Harness(driver, policy, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.executor.close()
 
 
 class Acquired:

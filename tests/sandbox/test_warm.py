@@ -12,81 +12,23 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import tests.apps.warm  # noqa: F401  (registers the warm.* handlers in this process too)
-from tenantq.dispatch.executors.contract import JobEnded, JobStarted
-from tenantq.dispatch.executors.sandboxed import SandboxExecutor
-from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy
+from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.registry import REGISTRY, Registry
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
-from tenantq.store.model import Batch, ClaimedJob
 from tenantq.testing import wait_until
-from tests.sandbox.conftest import RUNSC_OK, Leftovers, files_containing, runsc_containers, sandbox_dirs
+from tests.sandbox.conftest import RUNSC_OK, files_containing, runsc_containers, sandbox_dirs
+from tests.sandbox.warm_harness import Harness
 
-WARM_APP = "tests.apps.warm"
 needs_runsc = pytest.mark.skipif(not RUNSC_OK, reason="gvisor: runsc is not installed or does not work here "
                                                       "(templates and hibernation need checkpoint/restore)")
-
-
-class Harness:
-    """A SandboxExecutor driven batch by batch, recording where each batch's
-    sandbox came from (a test signal, instead of timing guesses)."""
-
-    def __init__(self, driver: SandboxDriver, policy: WarmPolicy, app: str = WARM_APP,
-                 registry: Registry = REGISTRY) -> None:
-        self.executor = SandboxExecutor(driver, registry, app, policy=policy)
-        self.origins: list[tuple[str, str]] = []  # (sandbox id, origin) per batch
-        self.next_id = 1
-        acquire = self.executor.warm.acquire
-
-        def recording_acquire(spec: Any) -> GuestServer:
-            server = acquire(spec)
-            self.origins.append((server.sandbox.id, server.origin))
-            return server
-
-        self.executor.warm.acquire = recording_acquire  # type: ignore[method-assign]
-
-    def run(self, *kinds: str, tenant: str = "acme", env: dict[str, str] | None = None,
-            payload: Any = None) -> list[JobEnded]:
-        jobs = []
-        for kind in kinds:
-            jobs.append(ClaimedJob(self.next_id, tenant, kind, payload, 1, 3))
-            self.next_id += 1
-        batch = Batch(self.next_id, tenant, "default", datetime.now(UTC), tuple(jobs))
-        ended: list[JobEnded] = []
-
-        def report(event: JobStarted | JobEnded) -> None:
-            if isinstance(event, JobEnded):
-                ended.append(event)
-
-        self.executor.run(batch, env=env or {}, report=report, should_stop=lambda: False)
-        return ended
-
-    def result(self, *kinds: str, **kw: Any) -> Any:
-        ended = self.run(*kinds, **kw)
-        assert ended and ended[-1].ok, ended
-        return ended[-1].result
-
-
-@pytest.fixture
-def harness(leftovers: Leftovers) -> Iterator[Callable[..., Harness]]:
-    made: list[Harness] = []
-
-    def make(driver: SandboxDriver, policy: WarmPolicy, **kw: Any) -> Harness:
-        h = Harness(driver, policy, **kw)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.executor.close()
 
 
 def _tree_digest(path: Path) -> str:
