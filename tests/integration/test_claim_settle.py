@@ -104,6 +104,28 @@ def test_claim_returns_none_when_nothing_is_runnable(queue: Queue, conn: Conn, t
     assert batch is not None and batch.priority == "bulk"
 
 
+def test_a_claim_abandoned_before_its_commit_keeps_nothing(queue: Queue, db: Database, conn: Conn,
+                                                           t0: datetime) -> None:
+    # a stopping worker's claim in flight: the jobs, the lease and the
+    # round robin's cursor and deficits are as if it never ran
+    ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"}] * 3, now=t0)
+    before = fetch_all(db, "SELECT * FROM scheduler ORDER BY priority")
+    asked: list[bool] = []
+
+    def stopping() -> bool:
+        asked.append(True)
+        return True
+
+    assert claim_next(conn, _request(), "default", now=at(t0, 1), abandon=stopping) is None
+    assert asked, "the stop was asked after the rows were locked"
+    assert [r["status"] for r in _rows(db, ids)] == ["pending"] * 3
+    assert [r["attempts"] for r in _rows(db, ids)] == [0] * 3
+    assert fetch_one(db, "SELECT count(*) AS n FROM batches")["n"] == 0
+    assert fetch_all(db, "SELECT * FROM scheduler ORDER BY priority") == before
+    # and the next claim, not stopping, takes them on their first attempt
+    assert all(j.attempt == 1 for j in _claim(conn, at(t0, 2)).jobs)
+
+
 def test_settle_with_a_wrong_or_stale_token_is_refused(queue: Queue, db: Database, conn: Conn,
                                                         t0: datetime) -> None:
     ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"} for _ in range(2)], now=t0)

@@ -311,7 +311,7 @@ class Worker:
             for priority in class_order():
                 if priority not in with_work:
                     continue
-                batch = claim_next(conn, request, priority, notes=notes)
+                batch = claim_next(conn, request, priority, notes=notes, abandon=self.stopping.is_set)
                 if batch is not None:
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:

@@ -20,8 +20,11 @@ so the next pick does not probe it again.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
+
+import psycopg
 
 from tenantq.fairness import drr
 from tenantq.store import jobs, rates
@@ -66,9 +69,15 @@ class ClaimRequest:
 
 def claim_next(
     conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None,
-    notes: PickNotes | None = None,
+    notes: PickNotes | None = None, abandon: Callable[[], bool] | None = None,
 ) -> Batch | None:
-    """Lease the next batch of `priority` work, or None if there is none."""
+    """Lease the next batch of `priority` work, or None if there is none.
+
+    `abandon` is asked after the batch's rows are locked and before the
+    commit: if it says yes the whole pick rolls back (None). A stopping
+    worker uses it, so a claim that began before the stop cannot take the
+    jobs a stopping batch has just released: any claim that sees those rows
+    read them after the stop, so it also sees the stop."""
     notes = notes if notes is not None else PickNotes()
     # Pipelined: BEGIN, the cursor lock and the candidate read go out in one
     # round trip; the claim is a second; the writes and COMMIT a third.
@@ -170,10 +179,12 @@ def claim_next(
                              {"batch_id": batch.batch_id, "seconds": est * len(batch.jobs)})
             conn.execute(sql("scheduler", "advance_cursor"),
                          {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
+            if abandon is not None and abandon():
+                raise psycopg.Rollback()  # nothing of this pick is kept
             return batch
         if walked_past:
             _set_deficits(conn, priority, walked_past)
-        return None
+    return None
 
 
 def _at_cap_hint(row: dict[str, object]) -> bool:
