@@ -125,10 +125,16 @@ def _sample(db: Database, interval: float, enqueued_before: int,
             "        FROM jobs WHERE tenant_id = 'small'"
             "          AND started_at > now() - make_interval(secs => %(i)s)) AS small_wait",
             {"i": interval}).fetchone()
+        # what else ran in the interval (reported, not judged): vacuum passes
+        # on `jobs` and checkpoints, which a latency swing is read against
+        counters = conn.execute(
+            "SELECT (SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables"
+            "        WHERE relid = 'jobs'::regclass) AS vacuums,"
+            f"       (SELECT {_CHECKPOINTS[conn.info.server_version >= 170000]}) AS checkpoints").fetchone()
         by_index = conn.execute(
             "SELECT indexrelid::regclass::text AS name, pg_relation_size(indexrelid) AS bytes"
             " FROM pg_index WHERE indrelid = 'jobs'::regclass").fetchall()
-    assert row is not None
+    assert row is not None and counters is not None
     claims = prober.take() or [float("nan")] * 2
     enqueued = int(row["max_id"])
     return {
@@ -140,9 +146,18 @@ def _sample(db: Database, interval: float, enqueued_before: int,
         "indexes_mb": float(row["index_bytes"]) / 2**20,
         "dead_tuples": float(row["dead"] or 0),
         "small_wait_ms": float(row["small_wait"] or 0) * 1000,
+        "vacuums": int(counters["vacuums"] or 0),
+        "checkpoints": int(counters["checkpoints"] or 0),
         # which index grows (reported, not judged: the sum is `indexes_mb`)
         "index_mb": {r["name"]: round(float(r["bytes"]) / 2**20, 2) for r in by_index},
     }, enqueued
+
+
+# checkpoints so far: PostgreSQL 17 moved the counters to pg_stat_checkpointer
+_CHECKPOINTS = {
+    False: "checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter",
+    True: "num_timed + num_requested FROM pg_stat_checkpointer",
+}
 
 
 def soak_server() -> tuple[str, str]:
@@ -189,7 +204,8 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
                 sample["t_s"] = time.monotonic() - started
                 samples.append(sample)
                 console.print(f"  {'retention' if retention else 'no retention'} "
-                              f"t={sample['t_s']:.0f}s " + " ".join(f"{k}={sample[k]:.1f}" for k in SERIES))
+                              f"t={sample['t_s']:.0f}s " + " ".join(f"{k}={sample[k]:.1f}" for k in SERIES)
+                              + f" vacuums={sample['vacuums']} checkpoints={sample['checkpoints']}")
         finally:
             stop.set()
             prober.stop.set()

@@ -26,7 +26,7 @@ from tenantq.errors import InvalidInput
 from tenantq.sandbox.agent_link import AgentLink
 from tenantq.sandbox.driver import SandboxDriver, SnapshotDriver
 from tenantq.sandbox.hostside import HostSandbox, Running
-from tenantq.sandbox.layout import GUEST_EGRESS_DIR, guest_python
+from tenantq.sandbox.layout import GUEST_EGRESS_DIR, START_AGENT, guest_python
 from tenantq.sandbox.snapshots import _DIGESTS, SnapshotStore, runtime_version
 from tenantq.sandbox.spec import SandboxSpec
 from tenantq.sandbox.templates import Resolved, python_path
@@ -44,9 +44,12 @@ _keys: dict[tuple[object, ...], tuple[float, str]] = {}
 
 
 def agent_argv() -> list[str]:
-    # -S: the agent is stdlib-only and finds tenantq on PYTHONPATH; the site
-    # module's .pth processing alone costs ~0.35 s under gVisor
-    return [guest_python(None).executable, "-S", "-m", "tenantq.guest.agent", "--deadline-file",
+    # -S: the agent is stdlib-only; the site module's .pth processing alone
+    # costs ~0.35 s under gVisor. By path, not -m: -m would import the whole
+    # tenantq package first (another ~0.3 s; see guest/start_agent.py). The
+    # tenantq source is mounted at its host path, so the path is the same
+    # in the guest.
+    return [guest_python(None).executable, "-S", "-P", str(START_AGENT), "--deadline-file",
             f"{GUEST_EGRESS_DIR}/deadline"]
 
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tenantq.sandbox.agent_link import AgentLink
+from tenantq.sandbox.boot import agent_argv
 from tenantq.sandbox.driver import SnapshotDriver, SnapshotSandbox
 from tenantq.sandbox.hostside import HostSandbox, Running, unmount_work_dir
-from tenantq.sandbox.layout import GUEST_EGRESS_DIR, guest_python
 
 if TYPE_CHECKING:
     from tenantq.sandbox.api import Sandbox
@@ -70,8 +70,7 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
     if not (driver.snapshots and isinstance(host, SnapshotSandbox) and isinstance(driver, SnapshotDriver)):
         raise NotSupported(f"the {driver.name} driver cannot fork a sandbox (it has no checkpoint/restore; "
                            "use the gvisor driver)")
-    argv = [guest_python(None).executable, "-m", "tenantq.guest.agent", "--deadline-file",
-            f"{GUEST_EGRESS_DIR}/deadline"]
+    argv = agent_argv()  # a restore does not run it; runsc wants the spec's argv
     # the image holds the parent's memory, secrets included: it goes on a
     # tmpfs of its own in the sandbox's host-only dir, never on disk, and is
     # unmounted once every restore has read it

@@ -25,6 +25,8 @@ GUEST_UID = 65534
 GUEST_GID = 65534
 SYSTEM_DIRS = ("/usr",)
 API_DIRS = ("work", "workspace", "run")
+# the agent's start script; tenantq's source is mounted at its host path
+START_AGENT = Path(__file__).resolve().parent.parent / "guest" / "start_agent.py"
 
 ETC_FILES = {
     "passwd": "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
