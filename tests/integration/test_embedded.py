@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
 
 import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
@@ -65,6 +66,20 @@ def test_embedded_postgres_starts_serves_and_is_reused(
         )
         assert out.stdout.strip() == db.dsn
         assert _postmaster_pid(data_dir) == pid and _alive(pid)
+        # the one setting tenantq gives its own server (a queue's churn wants
+        # autovacuum every 10 s, not every minute); one somebody set is kept
+        def naptime() -> object:
+            with psycopg.connect(db.dsn) as conn:
+                return conn.execute("SHOW autovacuum_naptime").fetchone()
+
+        wait_until(lambda: naptime() == ("10s",), timeout=10, message="the reload to reach a new backend")
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET autovacuum_naptime = '30s'")
+            conn.execute("SELECT pg_reload_conf()")
+        Database.resolve()
+        with psycopg.connect(db.dsn) as conn:
+            assert conn.execute("SELECT setting FROM pg_file_settings WHERE name = 'autovacuum_naptime'"
+                                " AND applied").fetchone() == ("30s",)
         with Queue() as queue:
             assert not queue.migrate().installed_fresh
             assert queue.job(job_id).status == "done", "the data survived"
