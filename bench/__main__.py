@@ -38,7 +38,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "host-connections": host_connections.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
-    "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False},
+    "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False, "grid": False},
     "scaling": {"picks": 5, "max_pending": 1_000},
     "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300, "plot": False},
     "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},

@@ -17,7 +17,9 @@ included) when the last small job started, or at the deadline.
 
 Scenario `throughput`: enqueue --single jobs one call each, then --jobs in one bulk call, then
 start the worker and time until every job has run and the worker has stopped (so its results
-are persisted); the database is checked afterwards to hold every job as completed.
+are persisted); the database is checked afterwards to hold every job as completed. With
+--processes N, N - 1 more worker processes of the same settings are spawned and connected before
+the clock starts, and start with the timed one (`Helpers`).
 
 Output: logs on stderr, one JSON object as the last line of stdout.
 """
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import signal
 import sys
 import time
@@ -88,9 +91,18 @@ class Peer(abc.ABC):
         """Run the scenario on the event loop this peer's own CLI would use (stdlib asyncio here)."""
         return asyncio.run(main)
 
-    @abc.abstractmethod
     async def open(self, dsn: str) -> None:
         """Connect to the (fresh, empty) database and install the peer's schema."""
+        await self.attach(dsn)
+        await self.install()
+
+    @abc.abstractmethod
+    async def attach(self, dsn: str) -> None:
+        """Connect to a database whose schema is installed (another process's worker)."""
+
+    @abc.abstractmethod
+    async def install(self) -> None:
+        """Install the peer's schema, as its CLI does."""
 
     @abc.abstractmethod
     async def close(self) -> None:
@@ -280,17 +292,15 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
     a = peer.args
     total = a.single + a.jobs
     done = 0
-    all_done = asyncio.Event()
 
     async def noop(job: JobPayload) -> None:
         nonlocal done
         done += 1
-        if done >= total:
-            all_done.set()
 
     single = [JobPayload(f"t{i % 10}", i) for i in range(a.single)]
     bulk = [JobPayload(f"t{i % 10}", a.single + i) for i in range(a.jobs)]
     await peer.open(dsn)
+    helpers = Helpers(type(peer), dsn, a.processes - 1)
     try:
         t0 = time.perf_counter()
         for job in single:
@@ -300,25 +310,37 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         await peer.enqueue_bulk(bulk)
         bulk_s = time.perf_counter() - t0
         log.info("enqueue: %d single in %.2fs, %d bulk in %.2fs", a.single, single_s, a.jobs, bulk_s)
+        await helpers.start()  # connected and waiting: their start-up is not timed
         t0 = time.perf_counter()
+        helpers.go.set()
         await peer.start_worker(noop, a.concurrency, "throughput")
         try:
-            await wait_or_fail(peer, all_done, None)
+            while done + helpers.done() < total:
+                await asyncio.sleep(0.001)
+                if peer.worker_task is not None and peer.worker_task.done():
+                    peer.worker_task.result()
+                    raise RuntimeError(f"{peer.system} worker stopped unexpectedly")
+                helpers.check()
             handlers_s = time.perf_counter() - t0
         finally:
+            helpers.stop.set()
             await peer.stop_worker()
+            await helpers.join()
         drain_s = time.perf_counter() - t0
         completed = await peer.count_completed()
         log.info(
-            "drain: %d handlers in %.2fs, worker stopped at %.2fs, %d completed in the database",
-            done,
+            "drain: %d handlers in %.2fs (%d in other processes), workers stopped at %.2fs, "
+            "%d completed in the database",
+            done + helpers.done(),
             handlers_s,
+            helpers.done(),
             drain_s,
             completed,
         )
         if completed != total:
             raise RuntimeError(f"{completed} of {total} jobs recorded as completed")
     finally:
+        helpers.kill()
         await peer.close()
     return {
         "system": peer.system,
@@ -331,6 +353,87 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         "jobs": total,
         "settings": peer.settings(),
     }
+
+
+class Helpers:
+    """`--processes N`: N - 1 more worker processes of the same peer with the
+    same settings, each with its own connections and event loop, as a
+    deployment runs several `pgq run` / `procrastinate worker`. Started
+    (spawned, connected) before the clock starts; `go` starts their workers
+    together with the timed one; each publishes how many jobs it ran."""
+
+    def __init__(self, peer_cls: type[Peer], dsn: str, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.counts = ctx.Array("q", max(n, 1), lock=False)
+        self.go, self.stop = ctx.Event(), ctx.Event()
+        self.ready = [ctx.Event() for _ in range(n)]
+        self.procs = [
+            ctx.Process(target=_helper, args=(peer_cls, sys.argv[1:], dsn, i, self.counts, self.ready[i],
+                                              self.go, self.stop), daemon=True)
+            for i in range(n)
+        ]
+
+    async def start(self) -> None:
+        for proc in self.procs:
+            proc.start()
+        for ready, proc in zip(self.ready, self.procs, strict=True):
+            if not await asyncio.to_thread(ready.wait, 120):
+                raise RuntimeError(f"a helper worker process did not connect (exit code {proc.exitcode})")
+
+    def done(self) -> int:
+        return sum(self.counts[i] for i in range(len(self.procs)))
+
+    def check(self) -> None:
+        for proc in self.procs:
+            if proc.exitcode is not None:
+                raise RuntimeError(f"a helper worker process ended early (exit code {proc.exitcode})")
+
+    async def join(self) -> None:
+        for proc in self.procs:
+            await asyncio.to_thread(proc.join, 120)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"a helper worker process failed (exit code {proc.exitcode})")
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
+
+def _helper(peer_cls: type[Peer], argv: list[str], dsn: str, index: int, counts: Any, ready: Any, go: Any,
+            stop: Any) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    peer = peer_cls(parse_args(peer_cls.system, argv))
+
+    async def work() -> dict[str, Any]:
+        done = 0
+
+        async def noop(job: JobPayload) -> None:
+            nonlocal done
+            done += 1
+
+        await peer.attach(dsn)
+        try:
+            ready.set()
+            while not go.is_set():
+                await asyncio.sleep(0.001)
+            await peer.start_worker(noop, peer.args.concurrency, "throughput")
+            try:
+                while not stop.is_set():
+                    counts[index] = done
+                    await asyncio.sleep(0.001)
+                    if peer.worker_task is not None and peer.worker_task.done():
+                        peer.worker_task.result()
+                        raise RuntimeError(f"{peer.system} worker stopped unexpectedly")
+            finally:
+                await peer.stop_worker()
+            counts[index] = done
+        finally:
+            await peer.close()
+        return {}
+
+    peer_cls.run_async(work())
 
 
 # --- command line --------------------------------------------------------------------------------
@@ -353,6 +456,7 @@ def parse_args(system: str, argv: list[str] | None) -> argparse.Namespace:
     thr.add_argument("--jobs", type=int, default=20_000, help="bulk-enqueued jobs")
     thr.add_argument("--single", type=int, default=1_000, help="jobs enqueued one call each")
     thr.add_argument("--concurrency", type=int, default=None, help="default: the peer's best setting")
+    thr.add_argument("--processes", type=int, default=1, help="worker processes, each with these settings")
     thr.add_argument(
         "--batch-size",
         type=int,

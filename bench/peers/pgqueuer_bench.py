@@ -66,10 +66,13 @@ class PgQueuerPeer(Peer):
         # `pgq run` runs the worker on uvloop when it is installed (it is a pgqueuer dependency).
         return uvloop.run(main)
 
-    async def open(self, dsn: str) -> None:
+    async def attach(self, dsn: str) -> None:
         self.dsn = dsn
         self.producer = await asyncpg.connect(dsn)
         self.queries = Queries(AsyncpgDriver(self.producer))
+
+    async def install(self) -> None:
+        assert self.queries is not None
         await self.queries.install()
 
     async def close(self) -> None:
@@ -122,7 +125,8 @@ class PgQueuerPeer(Peer):
 
     def settings(self) -> dict[str, Any]:
         return {
-            "driver": "asyncpg (AsyncpgDriver), producer and worker on separate connections, one process",
+            "driver": "asyncpg (AsyncpgDriver), producer and worker on separate connections",
+            "processes": self.args.processes if self.args.scenario == "throughput" else 1,
             "event_loop": "uvloop",
             "batch_size": self.batch_size,
             "max_concurrent_tasks": self.max_concurrent_tasks,

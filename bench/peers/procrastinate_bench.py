@@ -53,7 +53,7 @@ class ProcrastinatePeer(Peer):
     def version(self) -> str:
         return version("procrastinate")
 
-    async def open(self, dsn: str) -> None:
+    async def attach(self, dsn: str) -> None:
         pool_size = BEST_THROUGHPUT_POOL_SIZE if self.args.scenario == "throughput" else None
         # Extra PsycopgConnector kwargs go to AsyncConnectionPool; none given = its defaults.
         pool_kwargs: dict[str, Any] = {} if pool_size is None else {"min_size": pool_size}
@@ -68,6 +68,9 @@ class ProcrastinatePeer(Peer):
 
         self.task = bench
         await self.app.open_async()
+
+    async def install(self) -> None:
+        assert self.app is not None
         await self.app.schema_manager.apply_schema_async()
 
     async def close(self) -> None:
@@ -107,7 +110,8 @@ class ProcrastinatePeer(Peer):
 
     def settings(self) -> dict[str, Any]:
         return {
-            "connector": "PsycopgConnector (psycopg_pool), producer and worker share it, one process",
+            "connector": "PsycopgConnector (psycopg_pool), producer and worker share it",
+            "processes": self.args.processes if self.args.scenario == "throughput" else 1,
             "event_loop": "asyncio",
             "concurrency": self.concurrency,
             "pool_size": self.pool_size,
