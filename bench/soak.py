@@ -131,6 +131,9 @@ def _sample(db: Database, interval: float, enqueued_before: int,
         counters = conn.execute(
             "SELECT (SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables"
             "        WHERE relid = 'jobs'::regclass) AS vacuums,"
+            "       (SELECT autovacuum_count + vacuum_count FROM pg_stat_user_tables"
+            "        WHERE relid = 'batches'::regclass) AS batch_vacuums,"
+            "       pg_total_relation_size('batches') AS batches_bytes,"
             f"       (SELECT {_CHECKPOINTS[conn.info.server_version >= 170000]}) AS checkpoints").fetchone()
         by_index = conn.execute(
             "SELECT indexrelid::regclass::text AS name, pg_relation_size(indexrelid) AS bytes"
@@ -149,6 +152,9 @@ def _sample(db: Database, interval: float, enqueued_before: int,
         "small_wait_ms": float(row["small_wait"] or 0) * 1000,
         "vacuums": int(counters["vacuums"] or 0),
         "checkpoints": int(counters["checkpoints"] or 0),
+        # ended batches are kept for days: the one table that grows with retention on
+        "batch_vacuums": int(counters["batch_vacuums"] or 0),
+        "batches_mb": float(counters["batches_bytes"]) / 2**20,
         # which index grows (reported, not judged: the sum is `indexes_mb`)
         "index_mb": {r["name"]: round(float(r["bytes"]) / 2**20, 2) for r in by_index},
     }, enqueued
@@ -207,7 +213,9 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
                 samples.append(sample)
                 console.print(f"  {'retention' if retention else 'no retention'} "
                               f"t={sample['t_s']:.0f}s " + " ".join(f"{k}={sample[k]:.1f}" for k in SERIES)
-                              + f" vacuums={sample['vacuums']} checkpoints={sample['checkpoints']}")
+                              + f" vacuums={sample['vacuums']} checkpoints={sample['checkpoints']}"
+                              + f" batches_mb={sample['batches_mb']:.1f}"
+                              + f" batch_vacuums={sample['batch_vacuums']}")
         finally:
             stop.set()
             prober.stop.set()

@@ -72,6 +72,13 @@ def _describe(db: Database) -> dict[str, Any]:
         """,
         params,
     )
+    # storage parameters (the churning tables' autovacuum settings)
+    storage = fetch_all(
+        db,
+        "SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = %(schema)s AND c.reloptions IS NOT NULL ORDER BY c.relname",
+        params,
+    )
     scheduler = fetch_all(db, "SELECT * FROM scheduler ORDER BY priority")
     migrations = fetch_all(db, "SELECT version, name FROM migrations ORDER BY version")
     return {
@@ -80,6 +87,7 @@ def _describe(db: Database) -> dict[str, Any]:
         "constraints": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in constraints],
         "indexes": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in indexes],
         "functions": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in functions],
+        "storage": storage,
         "scheduler": scheduler,
         "migrations": migrations,
     }
@@ -108,7 +116,9 @@ def test_migrations_replay_to_exactly_schema_sql(fresh_schema: Database, other_s
     assert replayed["tables"], "migrations created no tables"
     assert [f["proname"] for f in replayed["functions"]] == ["queue_kinds"]
     # compare part by part so a failure names what drifted
-    for part in ("tables", "columns", "constraints", "indexes", "functions", "scheduler", "migrations"):
+    assert {r["relname"] for r in installed["storage"]} == {"attempts", "batches", "jobs"}
+    for part in ("tables", "columns", "constraints", "indexes", "functions", "storage", "scheduler",
+                 "migrations"):
         assert replayed[part] == installed[part], f"{part} differ between migrations and schema.sql"
     assert [r["version"] for r in installed["migrations"]] == [v for v, _, _ in migration_files()]
     assert {r["priority"] for r in installed["scheduler"]} == {"interactive", "default", "bulk"}

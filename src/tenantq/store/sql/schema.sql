@@ -304,3 +304,7 @@ ALTER TABLE jobs SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_i
                       autovacuum_analyze_scale_factor = 0.02, autovacuum_vacuum_cost_delay = 0);
 ALTER TABLE attempts SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_insert_scale_factor = 0.01,
                           autovacuum_vacuum_cost_delay = 0);
+-- `batches` too: a row per claim, updated at its settle, kept for days
+-- (migration 0009)
+ALTER TABLE batches SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_insert_scale_factor = 0.01,
+                         autovacuum_vacuum_cost_delay = 0);
