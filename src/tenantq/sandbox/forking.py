@@ -70,7 +70,7 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
     if not (driver.snapshots and isinstance(host, SnapshotSandbox) and isinstance(driver, SnapshotDriver)):
         raise NotSupported(f"the {driver.name} driver cannot fork a sandbox (it has no checkpoint/restore; "
                            "use the gvisor driver)")
-    argv = agent_argv()  # a restore does not run it; runsc wants the spec's argv
+    argv = agent_argv()  # what restore() is given, as for a template; a restore does not run it
     # the image holds the parent's memory, secrets included: it goes on a
     # tmpfs of its own in the sandbox's host-only dir, never on disk, and is
     # unmounted once every restore has read it
