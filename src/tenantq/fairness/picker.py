@@ -79,8 +79,12 @@ def claim_next(
     jobs a stopping batch has just released: any claim that sees those rows
     read them after the stop, so it also sees the stop."""
     notes = notes if notes is not None else PickNotes()
+    leased: tuple[str, list[jobs.Row], tuple[str, ...], tuple[str, ...] | None] | None = None
     # Pipelined: BEGIN, the cursor lock and the candidate read go out in one
-    # round trip; the claim is a second; the writes and COMMIT a third.
+    # round trip; the claim is a second; the writes and COMMIT a third. The
+    # cursor lock is held until that commit, so every other pick of the class
+    # waits for it: only what decides the schedule happens inside; the
+    # batch's jobs are built from the leased rows after the commit.
     with conn.pipeline(), conn.transaction():
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
         kinds = None if request.kinds is None else list(request.kinds)
@@ -139,7 +143,7 @@ def claim_next(
                     continue
             if visit.tenant_id in capped and _at_cap(conn, visit.tenant_id, now):
                 continue
-            batch = jobs.claim(
+            rows = jobs.claim_rows(
                 conn,
                 tenant_id=visit.tenant_id,
                 priority=priority,
@@ -152,7 +156,7 @@ def claim_next(
                 quotas=None if limits is None else limits.kinds,
                 now=now,
             )
-            if batch is None:
+            if not rows:
                 if limits is not None and limits.exhausted:
                     continue  # its runnable kinds may all be out of tokens: the hint stays
                 # nothing runnable of our kinds: no credit kept, nothing
@@ -160,15 +164,12 @@ def claim_next(
                 _settle_queue_hint(conn, visit.tenant_id, priority, now)
                 continue
             if limits is not None:
-                rates.take(conn, limits, Counter(j.kind for j in batch.jobs), now=now)
-            # the tenant's egress rules and host-function restriction travel
-            # with the batch to its sandbox
-            batch = replace(batch, egress=egress_of[visit.tenant_id],
-                            host_functions=host_functions_of[visit.tenant_id])
+                rates.take(conn, limits, Counter(str(r["kind"]) for r in rows), now=now)
+            batch_id = int(str(rows[0]["batch_id"]))
             est = estimates[visit.tenant_id]
-            deficit, keep_turn = drr.charge(visit, claimed=len(batch.jobs), mode=request.fair_by,
+            deficit, keep_turn = drr.charge(visit, claimed=len(rows), mode=request.fair_by,
                                             est_job_cost=est)
-            if limits is not None and len(batch.jobs) < visit.max_jobs:
+            if limits is not None and len(rows) < visit.max_jobs:
                 # bounded by its tokens, not its credit: the turn ends (tenants
                 # sharing a kind's limit take turns) and no credit is banked
                 # (it would let the tenant run ahead of others once unlimited)
@@ -176,15 +177,22 @@ def claim_next(
             _set_deficits(conn, priority, {**walked_past, visit.tenant_id: deficit})
             if request.fair_by is drr.Mode.RUNTIME:
                 conn.execute(sql("batches", "set_charged"),
-                             {"batch_id": batch.batch_id, "seconds": est * len(batch.jobs)})
+                             {"batch_id": batch_id, "seconds": est * len(rows)})
             conn.execute(sql("scheduler", "advance_cursor"),
                          {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
             if abandon is not None and abandon():
                 raise psycopg.Rollback()  # nothing of this pick is kept
-            return batch
-        if walked_past:
-            _set_deficits(conn, priority, walked_past)
-    return None
+            leased = (visit.tenant_id, rows, egress_of[visit.tenant_id], host_functions_of[visit.tenant_id])
+            break
+        else:
+            if walked_past:
+                _set_deficits(conn, priority, walked_past)
+    if leased is None:
+        return None
+    tenant_id, rows, egress, host_functions = leased
+    # the tenant's egress rules and host-function restriction travel with
+    # the batch to its sandbox
+    return replace(jobs.batch_of(tenant_id, priority, rows), egress=egress, host_functions=host_functions)
 
 
 def _at_cap_hint(row: dict[str, object]) -> bool:

@@ -21,6 +21,9 @@ from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Se
 from tenantq.store.queries import composed, qualified, sql
 from tenantq.store.steps import Query, Steps, run
 
+# a row as the store's connections return it (db.Conn's dict_row)
+Row = dict[str, object]
+
 
 class _RawJson:
     """Already-serialised JSON (validation produced the text once)."""
@@ -135,6 +138,28 @@ def claim(
     A job whose payload cannot be decoded is leased like the others, with an
     `UndecodablePayload` as its payload: the claim must not fail on one
     stored row (it would fail again on every claim of that tenant)."""
+    rows = claim_rows(conn, tenant_id=tenant_id, priority=priority, limit=limit, worker_id=worker_id,
+                      driver=driver, lease_seconds=lease_seconds, kinds=kinds, quotas=quotas, now=now)
+    return batch_of(tenant_id, priority, rows) if rows else None
+
+
+def claim_rows(
+    conn: Conn,
+    *,
+    tenant_id: str,
+    priority: Priority,
+    limit: int,
+    worker_id: str,
+    driver: str,
+    lease_seconds: float,
+    kinds: Sequence[str] | None = None,
+    quotas: Mapping[str, int] | None = None,
+    now: datetime | None = None,
+) -> list[Row]:
+    """`claim`'s rows as the statement returns them (empty: nothing
+    leased). The picker holds the class's cursor lock until its commit, so
+    it builds the batch (`batch_of`) after the commit, not under the lock:
+    decoding 500 payloads there made every other pick wait ~8 ms more."""
     params: dict[str, Any] = {
         "tenant_id": tenant_id,
         "priority": priority,
@@ -154,11 +179,13 @@ def claim(
         statement = composed("jobs", "claim_within_quotas", lease="lease")
     else:
         statement = composed("jobs", "claim", lease="lease")
-    rows = conn.execute(statement, params).fetchall()
-    if not rows:
-        return None
-    rows.sort(key=lambda r: int(str(r["id"])))
-    first = rows[0]
+    return conn.execute(statement, params).fetchall()
+
+
+def batch_of(tenant_id: str, priority: Priority, rows: Sequence[Row]) -> Batch:
+    """The batch leased by `claim_rows` (non-empty), its jobs in id order."""
+    ordered = sorted(rows, key=lambda r: int(str(r["id"])))
+    first = ordered[0]
     return Batch(
         batch_id=int(str(first["batch_id"])),
         tenant_id=tenant_id,
@@ -176,7 +203,7 @@ def claim(
                 actor=None if r["actor"] is None else str(r["actor"]),
                 meta=_decoded_meta(r["meta_text"]),
             )
-            for r in rows
+            for r in ordered
         ),
     )
 
