@@ -184,7 +184,7 @@ def soak_server() -> tuple[str, str]:
 
 
 def soak(*, total: int, rate: float, interval: float, retention: bool, workers: int,
-         tenants: int, dsn: str, probes: int = PROBES) -> dict[str, Any]:
+         tenants: int, dsn: str, probes: int = PROBES, concurrency: int = 1) -> dict[str, Any]:
     with scratch_schema("soak", dsn) as db:
         env = {**os.environ, "TENANTQ_DATABASE_URL": db.dsn, "TENANTQ_SCHEMA": db.schema,
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -192,7 +192,7 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
         env.update(TENANTQ_RETAIN_DONE=window, TENANTQ_RETAIN_CANCELLED=window, TENANTQ_RETAIN_DEAD=window)
         procs = [subprocess.Popen(
             [str(Path(sys.executable).parent / "tenantq"), "worker", "--app", "bench.soak_app",
-             "--sandbox", "inline", "--concurrency", "2", "--batch-size", "500"],
+             "--sandbox", "inline", "--concurrency", str(concurrency), "--batch-size", "500"],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(workers)]
         stop = mp.Event()
         producer = mp.Process(target=_produce, args=(db.dsn, db.schema, total, rate, tenants, stop))
@@ -270,23 +270,30 @@ def verdict(samples: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     return out
 
 
-def run(*, total: int = 2_000_000, rate: float = 1_500.0, interval: float = 30.0, workers: int = 2,
-        tenants: int = 20, warmup: int = 20, compare: bool = True, compare_total: int = 300_000,
-        plot: bool = True, probes: int = PROBES) -> dict[str, Any]:
+def run(*, total: int = 2_000_000, rate: float = 1_500.0, interval: float = 30.0, workers: int = 4,
+        concurrency: int = 1, tenants: int = 20, warmup: int = 20, compare: bool = True,
+        compare_total: int = 300_000, plot: bool = True, probes: int = PROBES) -> dict[str, Any]:
     """`compare_total`: the jobs of the run without retention (its table
-    only grows; a shorter run shows it)."""
+    only grows; a shorter run shows it).
+
+    Four worker processes of one slot each, not two of two: a slot holds
+    the class's cursor lock across its pick's round trips, and each time a
+    reply arrives it waits for the GIL while a sibling slot of its process
+    runs Python (settling 500 jobs), up to the 5-ms switch interval. With 2 x 2
+    the probe's wait for the lock had a p99 of 35-61 ms from one sample to
+    the next; with 4 x 1, 33-36 ms (docs/benchmarks.md, "Soak")."""
     dsn, server = soak_server()
     console.print(f"server: {server}")
     with scratch_schema("soakinfo", dsn) as db:
         info = machine_info(db)
     info["server"] = server
     runs = [soak(total=total, rate=rate, interval=interval, retention=True, workers=workers, tenants=tenants,
-                 dsn=dsn, probes=probes)]
+                 dsn=dsn, probes=probes, concurrency=concurrency)]
     if compare:
         runs.append(soak(total=compare_total, rate=rate, interval=interval, retention=False,
-                         workers=workers, tenants=tenants, dsn=dsn, probes=probes))
-    settings = {"total": total, "rate": rate, "interval": interval, "workers": workers, "tenants": tenants,
-                "warmup": warmup}
+                         workers=workers, tenants=tenants, dsn=dsn, probes=probes, concurrency=concurrency))
+    settings = {"total": total, "rate": rate, "interval": interval, "workers": workers,
+                "concurrency": concurrency, "tenants": tenants, "warmup": warmup}
     payload = {"benchmark": "soak", "machine": info, "settings": settings, "runs": runs}
     report(payload)
     if plot:
@@ -305,7 +312,8 @@ def report(payload: dict[str, Any]) -> None:
     workers, warmup = settings["workers"], settings.get("warmup", 8)
     for r in runs:
         r["verdict"] = verdict(r["samples"], warmup)
-    table = Table(title=f"Soak: {total:,} jobs at {rate:,.0f}/s, {workers} worker processes, sample every "
+    table = Table(title=f"Soak: {total:,} jobs at {rate:,.0f}/s, {workers} worker processes x "
+                        f"{settings.get('concurrency', 2)} slot(s), sample every "
                         f"{interval:g} s (first and last sample after a {warmup}-sample warm-up)")
     table.add_column("series")
     for r in runs:

@@ -57,10 +57,10 @@ def _pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
-def first_job_seconds(executor: SandboxExecutor, seq: int) -> float:
+def first_job_seconds(executor: SandboxExecutor, seq: int, kind: str = "warmbench.noop") -> float:
     """One one-job batch: seconds until its result is reported."""
     batch = Batch(seq, "bench", "default", datetime.now(UTC),
-                  (ClaimedJob(seq, "bench", "warmbench.noop", None, 1, 3),))
+                  (ClaimedJob(seq, "bench", kind, None, 1, 3),))
     done: list[float] = []
     started = time.perf_counter()
 

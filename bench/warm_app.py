@@ -50,3 +50,11 @@ def sleep10(payload: Any, ctx: tenantq.JobContext) -> int:
 def sleep10_shared(payload: Any, ctx: tenantq.JobContext) -> int:
     """The same, with process="batch": jobs of a batch share one process."""
     return sleep10(payload, ctx)
+
+
+@tenantq.handler("warmbench.sleep200", timeout=10, memory_mb=256)
+def sleep200(payload: Any, ctx: tenantq.JobContext) -> int:
+    """200 ms of work that touches the warmed modules (bench/per_job.py)."""
+    template = MODULES["jinja2"].Template("{{ n }}")
+    time.sleep(0.2)
+    return int(template.render(n=len(MODULES)))
