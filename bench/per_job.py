@@ -22,8 +22,6 @@ from __future__ import annotations
 import shutil
 import statistics
 import tempfile
-import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +30,11 @@ from rich.table import Table
 
 import tenantq
 from bench.common import machine_info, save, scratch_schema
-from bench.warm import APP, MODES, _pct, _refilled, first_job_seconds
-from tenantq import JobSpec, Queue
+from bench.warm import APP, MODES, _pct, drain, drivers_here, sample_first_jobs
 from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.executors.warm import WarmPolicy
-from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.sandbox.drivers import bwrap_works, runsc_works
-from tenantq.sandbox.drivers.gvisor import GVisorDriver
-from tenantq.sandbox.drivers.process import ProcessDriver
 
 console = Console(width=150)
 KIND = "warmbench.sleep200"
@@ -62,41 +55,11 @@ def _modes(driver: SandboxDriver) -> list[str]:
     return [*fresh, REFERENCE]
 
 
-def drain(driver: SandboxDriver, mode: str, jobs: int) -> dict[str, float]:
-    """A worker at batch 1 drains `jobs` 200-ms jobs of 4 tenants: jobs/s,
-    and seconds from the worker's start to its first job's end."""
-    executor = SandboxExecutor(driver, REGISTRY, APP, policy=_policy(mode))
-    with scratch_schema("perjob") as db:
-        q = Queue(db.dsn, schema=db.schema)
-        q.enqueue_many([JobSpec(f"t{i % TENANTS}", KIND, {}) for i in range(jobs)])
-        worker = Worker(db, executor, WorkerConfig(concurrency=CONCURRENCY, batch_size=1, once=True))
-        began = datetime.now(UTC)
-        t0 = time.perf_counter()
-        stats = worker.run()
-        elapsed = time.perf_counter() - t0
-        with db.connect() as conn:
-            row = conn.execute(
-                "SELECT extract(epoch FROM min(finished_at) - %(t)s) AS first,"
-                "       count(*) FILTER (WHERE status = 'done') AS done,"
-                "       count(DISTINCT batch_id) AS unused FROM jobs", {"t": began}).fetchone()
-            batches = conn.execute("SELECT count(*) AS n FROM batches").fetchone()
-        q.close()
-    assert row is not None and batches is not None
-    if stats.done != jobs:
-        console.print(f"[red]{driver.name} {mode}: {stats.snapshot()}")
-    return {"jobs_per_s": stats.done / elapsed, "first_job_s": float(str(row["first"])),
-            "done": float(str(row["done"])), "batches": float(str(batches["n"]))}
-
-
 def run(*, n: int = 15, jobs: int = 40) -> dict[str, Any]:
     import bench.warm_app  # noqa: F401  (registers warmbench.*)
 
     data_dir = Path(tempfile.mkdtemp(prefix="tenantq-bench-perjob-"))
-    drivers: dict[str, SandboxDriver] = {}
-    if runsc_works():
-        drivers["gvisor"] = GVisorDriver(data_dir)
-    if bwrap_works():
-        drivers["process"] = ProcessDriver(data_dir)
+    drivers = drivers_here(data_dir)
     ttfj: dict[str, dict[str, list[float]]] = {}
     rates: dict[str, dict[str, dict[str, float]]] = {}
     try:
@@ -107,18 +70,12 @@ def run(*, n: int = 15, jobs: int = 40) -> dict[str, Any]:
                 if driver.snapshots:  # the template is built once per app version, untimed
                     ex = executors["restored"]
                     assert ex.warm.template(ex.spec("template", 60)) is not None, "template build failed"
-                first_job_seconds(executors[REFERENCE], 0, KIND)  # prime: its sandbox stays warm
-                first_job_seconds(executors["ready-pool"], 0, KIND)  # prime: its pool starts filling
-                samples: dict[str, list[float]] = {mode: [] for mode in executors}
-                for i in range(n):
-                    for mode, ex in executors.items():
-                        _refilled(ex)
-                        samples[mode].append(first_job_seconds(ex, i + 1, KIND))
-                ttfj[name] = samples
+                ttfj[name] = sample_first_jobs(executors, n, REFERENCE, KIND)
             finally:
                 for ex in executors.values():
                     ex.close()
-            rates[name] = {mode: drain(driver, mode, jobs) for mode in _modes(driver)}
+            rates[name] = {mode: drain(driver, _policy(mode), KIND, 1, jobs, CONCURRENCY)
+                           for mode in _modes(driver)}
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
     _print(ttfj, rates, n, jobs)

@@ -189,7 +189,10 @@ def soak(*, total: int, rate: float, interval: float, retention: bool, workers: 
         env = {**os.environ, "TENANTQ_DATABASE_URL": db.dsn, "TENANTQ_SCHEMA": db.schema,
                "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         window = "120s" if retention else "3650d"
-        env.update(TENANTQ_RETAIN_DONE=window, TENANTQ_RETAIN_CANCELLED=window, TENANTQ_RETAIN_DEAD=window)
+        # ended batches too: kept 7 days by default, in a 22-minute run they
+        # were the one table that grew, and the claims slowed with it
+        env.update(TENANTQ_RETAIN_DONE=window, TENANTQ_RETAIN_CANCELLED=window, TENANTQ_RETAIN_DEAD=window,
+                   TENANTQ_RETAIN_BATCHES=window)
         procs = [subprocess.Popen(
             [str(Path(sys.executable).parent / "tenantq"), "worker", "--app", "bench.soak_app",
              "--sandbox", "inline", "--concurrency", str(concurrency), "--batch-size", "500"],

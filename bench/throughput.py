@@ -40,6 +40,9 @@ PEER_GRIDS: dict[str, list[dict[str, int | None]]] = {
     "procrastinate": [{"processes": p, "batch_size": None, "concurrency": c}
                       for p, c in itertools.product((1, 2), (8, 32))],
 }
+# the table's figures (jobs/s)
+COLUMNS = {"enqueue_single": "enqueue, one call per job", "enqueue_many": "enqueue_many / bulk of {jobs:,}",
+           "enqueue_big": "enqueue_many / bulk of {big:,}", "drain_inline": "drain"}
 # Procrastinate drains about 400 jobs/s here: its grid runs on fewer jobs
 GRID_JOBS = {"tenantq": 20_000, "pgqueuer": 20_000, "procrastinate": 4_000}
 
@@ -86,7 +89,7 @@ def _drain(db: Database, *, processes: int, concurrency: int, batch_size: int) -
 
 
 def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concurrency: int,
-                 batch_size: int) -> dict[str, float]:
+                 batch_size: int, big: int = 0) -> dict[str, float]:
     with scratch_schema() as db:
         q = Queue(db.dsn, schema=db.schema)
         t0 = time.perf_counter()
@@ -97,15 +100,21 @@ def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concur
         t0 = time.perf_counter()
         q.enqueue_many(specs)
         many_s = time.perf_counter() - t0
-        q.close()
         elapsed, done = _drain(db, processes=processes, concurrency=concurrency, batch_size=batch_size)
         assert done == jobs + single, f"drained {done} of {jobs + single}"
+        big_s = 0.0
+        if big:  # one call of a large import, after the drain (not drained)
+            specs = [JobSpec(f"t{i % tenants}", "bench.noop") for i in range(big)]
+            t0 = time.perf_counter()
+            q.enqueue_many(specs)
+            big_s = time.perf_counter() - t0
+        q.close()
     return {"enqueue_single": single / single_s if single else 0.0, "enqueue_many": jobs / many_s,
-            "drain_inline": (jobs + single) / elapsed}
+            "drain_inline": (jobs + single) / elapsed, "enqueue_big": big / big_s if big else 0.0}
 
 
-def peer_throughput(system: str, *, jobs: int, single: int,
-                    setting: dict[str, int | None]) -> dict[str, Any] | None:
+def peer_throughput(system: str, *, jobs: int, single: int, setting: dict[str, int | None],
+                    big: int = 0) -> dict[str, Any] | None:
     """One run of a peer's throughput scenario (its own venv, same server)."""
     from bench.fairness import PEERS_DIR
 
@@ -118,7 +127,8 @@ def peer_throughput(system: str, *, jobs: int, single: int,
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in setting.items() if value is not None]
     dsn = Database.resolve().dsn
     out = subprocess.run([str(python), str(script), "throughput", "--dsn", dsn, "--jobs", str(jobs),
-                          "--single", str(single), *flags], check=True, capture_output=True, text=True)
+                          "--single", str(single), "--big-bulk", str(big), *flags],
+                         check=True, capture_output=True, text=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -127,7 +137,9 @@ def _label(setting: dict[str, Any]) -> str:
 
 
 def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: int = 3,
-        peers: bool = True, grid: bool = True) -> dict[str, Any]:
+        peers: bool = True, grid: bool = True, big: int = 200_000) -> dict[str, Any]:
+    """`big`: one enqueue_many (bulk) call of that many jobs after each
+    table run's drain (a large import; its jobs are not drained)."""
     with scratch_schema() as db:
         info = machine_info(db)
     searched: dict[str, list[dict[str, Any]]] = {"tenantq": []}
@@ -157,22 +169,24 @@ def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: 
                 max(rows, key=lambda r: r["drain_per_s"])["setting"]
     results: dict[str, dict[str, Any]] = {}
     for name, setting in sorted(best.items(), key=lambda item: not item[0].startswith("tenantq")):
-        samples: dict[str, list[float]] = {"enqueue_single": [], "enqueue_many": [], "drain_inline": []}
+        samples: dict[str, list[float]] = {key: [] for key in COLUMNS}
         for _ in range(repeats):
             if name.startswith("tenantq"):
-                r = _tenantq_run(jobs=jobs, tenants=tenants, single=single, **setting)
+                r = _tenantq_run(jobs=jobs, tenants=tenants, single=single, big=big, **setting)
             else:
-                peer = peer_throughput(name, jobs=jobs, single=single, setting=setting)
+                peer = peer_throughput(name, jobs=jobs, single=single, setting=setting, big=big)
                 assert peer is not None
                 r = {"enqueue_single": peer["enqueue_single_per_s"],
-                     "enqueue_many": peer["enqueue_bulk_per_s"], "drain_inline": peer["drain_per_s"]}
+                     "enqueue_many": peer["enqueue_bulk_per_s"],
+                     "enqueue_big": peer["enqueue_big_bulk_per_s"] or 0.0,
+                     "drain_inline": peer["drain_per_s"]}
             for key in samples:
                 samples[key].append(r[key])
         results[name] = {"setting": setting, **{k: summarise(v) for k, v in samples.items()}}
-    _main_table(results, jobs=jobs, single=single, repeats=repeats)
+    _main_table(results, jobs=jobs, single=single, repeats=repeats, big=big)
     payload = {"benchmark": "throughput", "machine": info,
                "settings": {"jobs": jobs, "tenants": tenants, "single": single, "repeats": repeats,
-                            "grid_jobs": GRID_JOBS},
+                            "big": big, "grid_jobs": GRID_JOBS},
                "grid": searched, "results": results}
     console.print(f"wrote {save('throughput', payload)}")
     return payload
@@ -189,22 +203,23 @@ def _grid_table(searched: dict[str, list[dict[str, Any]]]) -> None:
     console.print(table)
 
 
-def _main_table(results: dict[str, dict[str, Any]], *, jobs: int, single: int, repeats: int) -> None:
+def _main_table(results: dict[str, dict[str, Any]], *, jobs: int, single: int, repeats: int,
+                big: int) -> None:
     table = Table(title=f"throughput: {jobs:,} no-op jobs (+{single:,} enqueued one call each), each system "
                         f"at its best setting, median of {repeats} (min-max); tenantq fair scheduling on")
     table.add_column("system (setting)")
-    for label in ("enqueue, one call per job", "enqueue_many / bulk, one call", "drain"):
-        table.add_column(label, justify="right")
+    for label in COLUMNS.values():
+        table.add_column(label.format(jobs=jobs, big=big), justify="right")
     pgq = results.get("pgqueuer")
     if pgq:
-        table.add_column("drain / PgQueuer", justify="right")
-        table.add_column("enqueue_many / PgQueuer", justify="right")
+        for key in COLUMNS:
+            table.add_column(f"{key.replace('_', ' ')} / PgQueuer", justify="right")
     for name, r in results.items():
         cells = [f"{name} ({_label(r['setting'])})"]
-        for key in ("enqueue_single", "enqueue_many", "drain_inline"):
+        for key in COLUMNS:
             cells.append(f"{r[key]['median']:,.0f} ({r[key]['min']:,.0f}-{r[key]['max']:,.0f})")
         if pgq:
-            cells += [f"{r['drain_inline']['median'] / pgq['drain_inline']['median']:.2f}x",
-                      f"{r['enqueue_many']['median'] / pgq['enqueue_many']['median']:.2f}x"]
+            cells += [f"{r[key]['median'] / pgq[key]['median']:.2f}x" if pgq[key]["median"] else "-"
+                      for key in COLUMNS]
         table.add_row(*cells)
     console.print(table)

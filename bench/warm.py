@@ -79,25 +79,64 @@ def first_job_seconds(executor: SandboxExecutor, seq: int, kind: str = "warmbenc
 SHARED = "kept-warm, process=batch"
 
 
-def end_to_end(driver: SandboxDriver, mode: str, batch_size: int, jobs: int) -> float:
-    # a fresh executor per run: nothing kept warm from before (the template,
-    # on disk, is shared); the worker closes it when it is done
-    kind = "warmbench.sleep10_shared" if mode == SHARED else "warmbench.sleep10"
-    executor = SandboxExecutor(driver, REGISTRY, APP, policy=MODES["kept-warm" if mode == SHARED else mode])
+def drain(driver: SandboxDriver, policy: WarmPolicy, kind: str, batch_size: int, jobs: int,
+          concurrency: int = 2) -> dict[str, float]:
+    """A fresh executor (nothing kept warm from before; the template, on
+    disk, is shared) under a real worker drains `jobs` jobs of 4 tenants:
+    jobs/s, and seconds from the worker's start to its first job's end."""
+    executor = SandboxExecutor(driver, REGISTRY, APP, policy=policy)
     with scratch_schema("warm") as db:
         q = Queue(db.dsn, schema=db.schema)
         ids = q.enqueue_many([JobSpec(f"t{i % 4}", kind, {}) for i in range(jobs)])
-        worker = Worker(db, executor, WorkerConfig(concurrency=2, batch_size=batch_size, once=True))
+        worker = Worker(db, executor, WorkerConfig(concurrency=concurrency, batch_size=batch_size, once=True))
+        began = datetime.now(UTC)
         t0 = time.perf_counter()
-        stats = worker.run()
+        stats = worker.run()  # the worker closes the executor when it is done
         elapsed = time.perf_counter() - t0
         if stats.done != jobs:
             # say what happened instead of losing the whole run
             infos = [q.job(i) for i in ids]
             failed = [(j.id, j.last_error) for j in infos if j.attempts > 1 or j.status != "done"]
-            console.print(f"[red]{driver.name} {mode} batch {batch_size}: {stats.snapshot()} {failed[:3]}")
+            console.print(f"[red]{driver.name} {kind} batch {batch_size}: {stats.snapshot()} {failed[:3]}")
+        with db.connect() as conn:
+            row = conn.execute("SELECT extract(epoch FROM min(finished_at) - %(t)s) AS first FROM jobs",
+                               {"t": began}).fetchone()
         q.close()
-        return stats.done / elapsed
+    assert row is not None
+    return {"jobs_per_s": stats.done / elapsed, "first_job_s": float(str(row["first"])),
+            "done": float(stats.done)}
+
+
+def end_to_end(driver: SandboxDriver, mode: str, batch_size: int, jobs: int) -> float:
+    kind = "warmbench.sleep10_shared" if mode == SHARED else "warmbench.sleep10"
+    policy = MODES["kept-warm" if mode == SHARED else mode]
+    return drain(driver, policy, kind, batch_size, jobs)["jobs_per_s"]
+
+
+def drivers_here(data_dir: Path) -> dict[str, SandboxDriver]:
+    """The sandbox drivers that work on this machine."""
+    drivers: dict[str, SandboxDriver] = {}
+    if runsc_works():
+        drivers["gvisor"] = GVisorDriver(data_dir)
+    if bwrap_works():
+        drivers["process"] = ProcessDriver(data_dir)
+    return drivers
+
+
+def sample_first_jobs(executors: dict[str, SandboxExecutor], n: int, reference: str,
+                      kind: str = "warmbench.noop") -> dict[str, list[float]]:
+    """n time-to-first-job samples per executor, interleaved so that drift
+    in the machine's load hits every mode alike; the reference (kept warm)
+    and the ready pool are primed first, and the pool refilled, untimed,
+    before each sample."""
+    first_job_seconds(executors[reference], 0, kind)  # prime: its sandbox stays warm
+    first_job_seconds(executors["ready-pool"], 0, kind)  # prime: its pool starts filling
+    samples: dict[str, list[float]] = {mode: [] for mode in executors}
+    for i in range(n):
+        for mode, ex in executors.items():
+            _refilled(ex)
+            samples[mode].append(first_job_seconds(ex, i + 1, kind))
+    return samples
 
 
 def _modes(driver: SandboxDriver) -> list[str]:
@@ -122,11 +161,7 @@ def run(*, n: int = 20, jobs_per_size: dict[int, int] | None = None) -> dict[str
 
     sizes = jobs_per_size or {1: 60, 10: 300, 100: 1000}
     data_dir = Path(tempfile.mkdtemp(prefix="tenantq-bench-warm-"))
-    drivers: dict[str, SandboxDriver] = {}
-    if runsc_works():
-        drivers["gvisor"] = GVisorDriver(data_dir)
-    if bwrap_works():
-        drivers["process"] = ProcessDriver(data_dir)
+    drivers = drivers_here(data_dir)
     ttfj: dict[str, dict[str, list[float]]] = {}
     rates: dict[str, dict[str, dict[int, float]]] = {}
     build_seconds: dict[str, float] = {}
@@ -140,14 +175,7 @@ def run(*, n: int = 20, jobs_per_size: dict[int, int] | None = None) -> dict[str
                     t0 = time.perf_counter()
                     assert ex.warm.template(ex.spec("template", 60)) is not None, "template build failed"
                     build_seconds[name] = time.perf_counter() - t0
-                first_job_seconds(executors["kept-warm"], 0)  # prime: its sandbox stays warm
-                first_job_seconds(executors["ready-pool"], 0)  # prime: its pool starts filling
-                samples: dict[str, list[float]] = {mode: [] for mode in executors}
-                for i in range(n):
-                    for mode, ex in executors.items():
-                        _refilled(ex)
-                        samples[mode].append(first_job_seconds(ex, i + 1))
-                ttfj[name] = samples
+                ttfj[name] = sample_first_jobs(executors, n, "kept-warm")
                 rates[name] = {mode: {size: end_to_end(driver, mode, size, jobs)
                                       for size, jobs in sizes.items()} for mode in [*executors, SHARED]}
             finally:

@@ -339,6 +339,12 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         )
         if completed != total:
             raise RuntimeError(f"{completed} of {total} jobs recorded as completed")
+        big_s = 0.0
+        if a.big_bulk:  # one bulk call of a large import, after the drain (not drained)
+            big = [JobPayload(f"t{i % 10}", total + i) for i in range(a.big_bulk)]
+            t0 = time.perf_counter()
+            await peer.enqueue_bulk(big)
+            big_s = time.perf_counter() - t0
     finally:
         helpers.kill()
         await peer.close()
@@ -349,6 +355,7 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         "enqueue_single_per_s": round(rate(a.single, single_s), 1),
         "enqueue_bulk_per_s": round(rate(a.jobs, bulk_s), 1),
         "drain_per_s": round(rate(total, drain_s), 1),
+        "enqueue_big_bulk_per_s": round(rate(a.big_bulk, big_s), 1) if a.big_bulk else None,
         "drain_handlers_per_s": round(rate(total, handlers_s), 1),
         "jobs": total,
         "settings": peer.settings(),
@@ -455,6 +462,7 @@ def parse_args(system: str, argv: list[str] | None) -> argparse.Namespace:
     thr.add_argument("--dsn", required=True, help="postgresql:// URL; a scratch database is created there")
     thr.add_argument("--jobs", type=int, default=20_000, help="bulk-enqueued jobs")
     thr.add_argument("--single", type=int, default=1_000, help="jobs enqueued one call each")
+    thr.add_argument("--big-bulk", type=int, default=0, help="then one bulk call of this many (not drained)")
     thr.add_argument("--concurrency", type=int, default=None, help="default: the peer's best setting")
     thr.add_argument("--processes", type=int, default=1, help="worker processes, each with these settings")
     thr.add_argument(

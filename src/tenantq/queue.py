@@ -9,7 +9,8 @@ sync or an async connection (client/runner.py).
 from __future__ import annotations
 
 import asyncio
-from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from typing import Any
 
 from psycopg.rows import dict_row
@@ -20,7 +21,7 @@ from tenantq.client.operations import JobSpec, Operations
 from tenantq.client.runner import AsyncRunner, SyncRunner
 from tenantq.client.scheduling import Scheduling
 from tenantq.errors import DatabaseUnavailable, TenantqError
-from tenantq.store.db import Database, Pool, _first_line, _redact
+from tenantq.store.db import Database, Pool, RecentlyUsed, _first_line, _redact
 from tenantq.store.migrate import MigrateReport, migrate
 
 __all__ = ["AsyncQueue", "JobSpec", "Queue"]
@@ -74,6 +75,7 @@ class AsyncQueue(AsyncRunner, Operations, Finding, Scheduling):
         self.db = Database.resolve(dsn, schema)
         self._pool: AsyncConnectionPool[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._recent = RecentlyUsed()
 
     async def _pool_connection(self) -> AbstractAsyncContextManager[Any]:
         loop = asyncio.get_running_loop()
@@ -83,7 +85,7 @@ class AsyncQueue(AsyncRunner, Operations, Finding, Scheduling):
             pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
                 self.db.conninfo, min_size=POOL_MIN, max_size=POOL_MAX, name="tenantq-async-queue",
                 kwargs={"autocommit": True, "row_factory": dict_row},
-                check=AsyncConnectionPool.check_connection, open=False)
+                check=self._recent.acheck, open=False)
             try:
                 await pool.open(wait=True, timeout=15)
             except Exception as exc:
@@ -94,7 +96,15 @@ class AsyncQueue(AsyncRunner, Operations, Finding, Scheduling):
         elif loop is not self._loop:
             raise TenantqError("this AsyncQueue's pool belongs to another event loop: "
                                "make one AsyncQueue per loop")
-        return self._pool.connection()
+        return self._stamped(self._pool)
+
+    @asynccontextmanager
+    async def _stamped(self, pool: AsyncConnectionPool[Any]) -> AsyncIterator[Any]:
+        async with pool.connection() as conn:
+            try:
+                yield conn
+            finally:
+                self._recent.stamp(conn)  # its next check is skipped for a while (store/db.py)
 
     async def migrate(self) -> MigrateReport:
         return await asyncio.to_thread(migrate, self.db)

@@ -105,6 +105,8 @@ class Settings(BaseSettings):
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")
     retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")
     retain_dead: str = Field(default="30d", description="How long dead jobs are kept.")
+    retain_batches: str = Field(default="7d", description="How long the record of an ended batch (and its "
+                                                          "egress-block rows) is kept.")
 
     def retention(self) -> dict[str, float]:
         """Seconds per final status (InvalidInput, one line, for a bad value)."""
@@ -113,6 +115,12 @@ class Settings(BaseSettings):
         return {"done": duration(self.retain_done, "TENANTQ_RETAIN_DONE"),
                 "cancelled": duration(self.retain_cancelled, "TENANTQ_RETAIN_CANCELLED"),
                 "dead": duration(self.retain_dead, "TENANTQ_RETAIN_DEAD")}
+
+    def batch_retention(self) -> float:
+        """Seconds an ended batch's record is kept (InvalidInput, one line, when bad)."""
+        from tenantq.store.validation import duration
+
+        return duration(self.retain_batches, "TENANTQ_RETAIN_BATCHES")
 
     def app_database(self, url: str | None = None, role: str | None = None) -> AppDatabaseConfig | None:
         """The ctx.db() configuration (`url`/`role` from the command line

@@ -12,7 +12,10 @@ import pytest
 import tenantq
 from tenantq import JobSpec, Queue
 from tenantq.fairness import ClaimRequest, claim_next
+from tenantq.store import enqueue
 from tenantq.store.db import Database
+from tenantq.store.model import NewJob
+from tenantq.store.steps import run
 from tenantq.store.validation import MAX_PAYLOAD_BYTES
 from tests.integration.helpers import db_now, fetch_all, fetch_one, scalar, table_counts
 
@@ -35,7 +38,10 @@ def test_enqueue_returns_new_ids(queue: Queue, db: Database) -> None:
     ]
 
 
-def test_enqueue_many_is_one_statement_in_input_order(queue: Queue, db: Database) -> None:
+@pytest.mark.parametrize("copy_at", [10_000, 1_000], ids=["one-statement", "copy"])
+def test_enqueue_many_commits_as_one_in_input_order(queue: Queue, db: Database, copy_at: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(enqueue, "COPY_AT", copy_at)
     tenants = [f"tenant-{i}" for i in range(7)]
     specs: list[JobSpec | dict[str, Any]] = []
     for i in range(5000):
@@ -54,7 +60,7 @@ def test_enqueue_many_is_one_statement_in_input_order(queue: Queue, db: Database
     assert [r["id"] for r in rows] == ids
     assert [r["i"] for r in rows] == list(range(5000))
     assert [r["tenant_id"] for r in rows] == [tenants[(i * 3) % 7] for i in range(5000)]
-    # one statement: every row (jobs, tenants, queues) carries the same
+    # one statement (an INSERT, or the COPY): every job carries the same
     # inserting transaction and command id
     same = fetch_one(
         db,
@@ -245,3 +251,81 @@ def test_a_payload_must_be_a_json_object(queue: Queue, db: Database, payload: ob
     assert table_counts(db) == before
     # a missing payload is the empty object
     assert queue.job(queue.enqueue("acme", "demo.noop")).payload == {}
+
+
+def _bulk_specs(n: int) -> list[JobSpec]:
+    """Jobs that exercise every column and every branch of the queue upsert:
+    tenants and classes interleaved, due and delayed jobs (a queue with only
+    delayed ones), envelopes, and one queue with more than 64 kinds."""
+    specs: list[JobSpec] = []
+    for i in range(n):
+        tenant = f"t{i % 5}"
+        priority = ("default", "bulk", "interactive")[i % 3]
+        delay = 30.0 + (i % 7) * 1.5 if tenant == "t4" or (tenant != "t1" and i % 4 == 0) else 0.0
+        kind = f"many.k{(i // 15) % 70}" if tenant == "t1" else f"demo.k{i % 3}"
+        specs.append(JobSpec(tenant, kind, {"i": i, "s": "tab\there"}, priority=priority, delay=delay,
+                             max_attempts=1 + i % 9, actor=f"usr_{i % 3}" if i % 2 else None,
+                             meta={"request_id": f"r-{i}"} if i % 5 == 0 else None))
+    return specs
+
+
+_JOB_COLUMNS = ("tenant_id, kind, payload, priority, status, attempts, max_attempts, run_after, batch_id, "
+                "last_error, result, idempotency_key, created_at, started_at, finished_at, replays, actor, "
+                "meta, cancelled_by, cancel_requested_at")
+
+
+def _written(db: Database) -> dict[str, list[dict[str, Any]]]:
+    return {
+        "jobs": fetch_all(db, f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY id"),
+        # all but created_at: the tenant row's default is the server's clock, not `now=`
+        "tenants": fetch_all(db, "SELECT to_jsonb(t) - 'created_at' AS row FROM tenants t "
+                                 "ORDER BY tenant_id"),
+        "queues": fetch_all(db, "SELECT tenant_id, priority, has_work, next_run_at, kinds_due::text,"
+                                "       (SELECT array_agg(k ORDER BY k) FROM unnest(kinds) k) AS kinds"
+                                " FROM queues ORDER BY tenant_id, priority"),
+    }
+
+
+def test_copy_and_one_statement_write_the_same_rows(queue: Queue, db: Database,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bulk path (COPY after a digest's upsert) and the one statement
+    leave the same jobs, tenants and queues behind, to the microsecond."""
+    specs, now = _bulk_specs(1_500), db_now(db)
+    written = {}
+    for path, copy_at in (("copy", 1_000), ("one statement", 10_000)):
+        monkeypatch.setattr(enqueue, "COPY_AT", copy_at)
+        ids = queue.enqueue_many(specs, now=now)
+        assert ids == sorted(ids) and len(set(ids)) == len(specs)
+        assert [queue.job(i).payload["i"] for i in (ids[0], ids[777], ids[-1])] == [0, 777, 1_499]
+        written[path] = _written(db)
+        with db.connect() as conn:
+            conn.execute("TRUNCATE jobs, tenants, queues CASCADE")
+    assert written["copy"] == written["one statement"]
+    queues = {(q["tenant_id"], q["priority"]): q for q in written["copy"]["queues"]}
+    assert queues[("t1", "default")]["kinds"] is None, "over 64 kinds: the hint says any kind"
+    assert queues[("t4", "default")]["next_run_at"] > now, "only delayed jobs: not due yet"
+    assert queues[("t0", "default")]["kinds_due"] != "infinity", "due and delayed jobs"
+
+
+def test_a_bulk_enqueue_wakes_workers_once_it_commits(queue: Queue, db: Database) -> None:
+    with db.connect() as listen:
+        listen.execute(f'LISTEN "{db.notify_channel}"')
+        ids = queue.enqueue_many([JobSpec("acme", "demo.noop", {"i": i}) for i in range(2_000)])
+        notes = list(listen.notifies(timeout=10, stop_after=1))
+    assert notes and notes[0].channel == db.notify_channel
+    with db.connect() as conn:
+        batch = claim_next(conn, REQUEST, "default")
+    assert batch is not None and [j.id for j in batch.jobs] == ids[:10]
+
+
+@pytest.mark.parametrize("write", [enqueue.insert_steps, enqueue.copy_steps], ids=["one-statement", "copy"])
+def test_the_size_check_backstop_is_one_line_on_both_paths(db: Database, write: Any) -> None:
+    """Validation measures sizes as Postgres renders them, so the jobs'
+    CHECKs are a backstop no valid call reaches; fed a job past it
+    directly, both paths answer InvalidInput in one line and write nothing."""
+    good = [(NewJob("acme", "demo.noop", {}), "{}") for _ in range(5)]
+    huge = (NewJob("acme", "demo.noop", {}), '{"k": "' + "x" * MAX_PAYLOAD_BYTES + '"}')
+    with db.connect() as conn, pytest.raises(tenantq.InvalidInput, match=r"^payload is over 262144 bytes"):
+        run(conn, write([*good, huge], schema=db.schema, channel=db.notify_channel), atomic=True)
+    assert table_counts(db)["jobs"] == 0
+    assert scalar(db, "SELECT count(*) FROM queues") == 0

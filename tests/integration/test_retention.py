@@ -26,6 +26,7 @@ from tenantq.registry import Registry
 from tenantq.settings import Settings
 from tenantq.store import jobs
 from tenantq.store.db import Database
+from tenantq.store.model import Settlement
 from tenantq.store.steps import Steps, run
 from tests.integration.helpers import fetch_all, scalar
 
@@ -275,3 +276,48 @@ def test_a_prune_and_a_claim_do_not_wait_on_each_other(queue: Queue, db: Databas
         pruning.close()
     assert _ids(db) == {pending, second}
     assert not set(expired) & _attempt_jobs(db) and not set(more) & _attempt_jobs(db)
+
+
+def test_ended_batches_past_their_window_go_in_chunks_with_their_egress_blocks(
+        queue: Queue, db: Database, pool: Any, registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TENANTQ_RETAIN_BATCHES: an ended batch's record is deleted once it is
+    older than the window (in PRUNE_CHUNK statements, oldest first), with its
+    refused-egress rows; a younger one and a live one stay."""
+    monkeypatch.setenv("TENANTQ_RETAIN_BATCHES", "1d")
+    monkeypatch.setattr(maintenance, "PRUNE_CHUNK", 2)
+    queue.enqueue_many([JobSpec("acme", "r.ok") for _ in range(5)])
+    with db.connect() as conn:  # five one-job batches, settled as done
+        for _ in range(5):
+            batch = claim_next(conn, ClaimRequest(worker_id="w", driver="inline", batch_size=1,
+                                                  lease_seconds=3600), "default")
+            assert batch is not None
+            jobs.settle(conn, batch.batch_id, [Settlement(batch.jobs[0].id, "done")], end_outcome="ok")
+    live_job = queue.enqueue("acme", "r.ok")
+    with db.connect() as conn:
+        live = claim_next(conn, ClaimRequest(worker_id="w", driver="inline", batch_size=1,
+                                             lease_seconds=3600), "default")
+    assert live is not None and [j.id for j in live.jobs] == [live_job]
+    rows = fetch_all(db, "SELECT batch_id FROM batches WHERE ended_at IS NOT NULL ORDER BY batch_id")
+    ended = [int(r["batch_id"]) for r in rows]
+    assert len(ended) == 5
+    _execute(db, "UPDATE batches SET ended_at = ended_at - make_interval(days => 2), "
+                 "created_at = created_at - make_interval(days => 2) WHERE batch_id = ANY(%(old)s)",
+             {"old": ended[:4]})
+    for batch_id in (ended[0], ended[4]):
+        _execute(db, "INSERT INTO egress_blocks (tenant_id, batch_id, job_id, host, reason, blocked_at) "
+                     "VALUES ('acme', %(b)s, NULL, 'evil.example:443', 'not allowed', now())",
+                 {"b": batch_id})
+    duty = maintenance.Maintenance(pool, maintenance.LeaseBook(), lease_seconds=30,
+                                   stopping=threading.Event())
+    with pool.connection() as conn:
+        assert duty.prune_batches(conn, time.monotonic() + 30) == 4  # 2 + 2, then a statement finding none
+    left = {int(r["batch_id"]) for r in fetch_all(db, "SELECT batch_id FROM batches")}
+    assert left == {ended[4], live.batch_id}
+    assert [int(r["batch_id"]) for r in fetch_all(db, "SELECT batch_id FROM egress_blocks")] == [ended[4]]
+
+
+def test_a_bad_batch_window_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TENANTQ_RETAIN_BATCHES", "soon")
+    with pytest.raises(tenantq.InvalidInput, match=r"^TENANTQ_RETAIN_BATCHES must be a duration") as caught:
+        Settings().batch_retention()
+    assert "\n" not in str(caught.value)

@@ -13,6 +13,7 @@ from dataclasses import replace
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
+from psycopg_pool import ConnectionPool
 
 import tenantq
 from tenantq import JobSpec, Queue
@@ -21,6 +22,7 @@ from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.errors import InvalidInput
 from tenantq.registry import Registry
+from tenantq.store import db as store_db
 from tenantq.store.db import Database
 from tests.integration.helpers import running
 
@@ -76,3 +78,50 @@ def test_the_store_pool_size_is_settable_and_checked(tenantq_cmd: list[str], cli
     res = subprocess.run([*tenantq_cmd, "worker", "--app", "tests.apps.basic", "--store-connections", "1"],
                          env=cli_env, capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 2 and "--store-connections" in res.stderr, res.stderr
+
+
+# -- the producer's pool: a connection is checked only after it sat idle ---------------------
+
+
+def _counting_checks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = ConnectionPool.check_connection
+
+    def counted(conn: psycopg.Connection[object]) -> None:
+        calls.append(1)
+        real(conn)
+
+    monkeypatch.setattr(ConnectionPool, "check_connection", staticmethod(counted))
+    return calls
+
+
+def test_back_to_back_enqueues_skip_the_pools_check(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round trip per enqueue: a connection given back moments ago is
+    handed out again unchecked (store/db.py, CHECK_BYPASS_SECONDS)."""
+    calls = _counting_checks(monkeypatch)
+    with Queue(db.dsn, schema=db.schema) as q:
+        for i in range(50):
+            q.enqueue("acme", "demo.noop", {"i": i})
+    assert len(calls) <= 1, f"{len(calls)} checks for 50 back-to-back enqueues"
+    monkeypatch.setattr(store_db, "CHECK_BYPASS_SECONDS", 0.0)
+    with Queue(db.dsn, schema=db.schema) as q:
+        for i in range(50):
+            q.enqueue("acme", "demo.noop", {"i": i})
+    assert len(calls) >= 50, "with no window, every hand-out is checked"
+
+
+def test_a_connection_killed_while_idle_is_replaced_before_an_enqueue(
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the window the check runs, finds the connection dead (a Postgres
+    restart, an idle timeout) and the pool hands out a new one: the caller
+    sees no error."""
+    monkeypatch.setattr(store_db, "CHECK_BYPASS_SECONDS", 0.0)  # "idle longer than the window"
+    with Queue(db.dsn, schema=db.schema) as q:
+        q.enqueue("acme", "demo.noop")
+        assert q._pool is not None
+        with q._pool.connection() as conn:
+            pid = conn.info.backend_pid
+        with db.connect() as other:
+            other.execute("SELECT pg_terminate_backend(%(pid)s)", {"pid": pid})
+        job_id = q.enqueue("acme", "demo.noop")
+        assert q.job(job_id).status == "pending"

@@ -41,6 +41,7 @@ from psycopg.rows import dict_row
 
 import tenantq
 from tenantq import AsyncQueue, JobSpec, Queue
+from tenantq.store import enqueue
 from tenantq.store.db import Database
 from tests.conftest import ROOT
 
@@ -196,6 +197,15 @@ def _session_settings(conn: psycopg.Connection[Any]) -> dict[str, str]:
 
 
 OUTCOMES = ["commit", "rollback"]
+
+
+@pytest.fixture(params=["insert", "copy"])
+def bulk_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """enqueue_many's two ways in (store/enqueue.py): one statement, or
+    COPY, forced here for a small call by lowering its threshold."""
+    if request.param == "copy":
+        monkeypatch.setattr(enqueue, "COPY_AT", 2)
+    return str(request.param)
 
 
 # -- psycopg -------------------------------------------------------------------------------
@@ -711,7 +721,7 @@ def test_decoy_tables_on_the_callers_search_path_stay_empty(app: App, queue: Que
 
 
 @pytest.mark.parametrize("outcome", OUTCOMES)
-def test_enqueue_many_with_psycopg_connection(app: App, queue: Queue, outcome: str) -> None:
+def test_enqueue_many_with_psycopg_connection(app: App, queue: Queue, outcome: str, bulk_path: str) -> None:
     tenant, other = _fresh_tenant(), _fresh_tenant()
     with app.connect() as conn:
         conn.execute("INSERT INTO orders (note) VALUES (%s)", [f"many-{outcome}"])
@@ -733,7 +743,7 @@ def test_enqueue_many_with_psycopg_connection(app: App, queue: Queue, outcome: s
 
 
 @pytest.mark.parametrize("outcome", OUTCOMES)
-def test_enqueue_many_with_async_connection(app: App, db: Database, outcome: str) -> None:
+def test_enqueue_many_with_async_connection(app: App, db: Database, outcome: str, bulk_path: str) -> None:
     tenant = _fresh_tenant()
 
     async def main() -> list[int]:
@@ -749,7 +759,8 @@ def test_enqueue_many_with_async_connection(app: App, db: Database, outcome: str
 
 
 @pytest.mark.parametrize("outcome", OUTCOMES)
-def test_enqueue_many_with_sqlalchemy_async_session(app: App, db: Database, outcome: str) -> None:
+def test_enqueue_many_with_sqlalchemy_async_session(app: App, db: Database, outcome: str,
+                                                    bulk_path: str) -> None:
     tenant, note = _fresh_tenant(), f"sa-amany-{outcome}"
 
     async def main() -> list[int]:

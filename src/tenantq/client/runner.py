@@ -8,7 +8,7 @@ returns a coroutine. Signatures, defaults, validation and SQL are the
 generator's, so the two classes cannot drift apart
 (tests/unit/test_queue_api.py compares them).
 
-Steps besides `Query`: `Subscribe(job_id)` registers a waiter with the
+Steps besides `Query` and `Copy` (store/steps.py): `Subscribe(job_id)` registers a waiter with the
 process's completion listener (answered with the Waiter); `Wait(waiter,
 timeout)` blocks or awaits it (answered True when woken). A pool connection
 is held only across consecutive queries and returned before a wait, so a
@@ -21,17 +21,18 @@ import asyncio
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from tenantq.client import connections, listener
 from tenantq.client.listener import CompletionListener, Waiter
 from tenantq.errors import TenantqError
 from tenantq.store.db import Database
-from tenantq.store.steps import Query, Steps, async_execute, execute
+from tenantq.store.steps import Copy, Query, Steps, async_execute, execute
 
 # On tenantq's own pool a statement refused for a deadlock or a
 # serialization failure rolled back alone (autocommit, or an atomic
@@ -155,12 +156,12 @@ class SyncRunner(_Runner):
         try:
             step = next(steps)
             while True:
-                if isinstance(step, Query):
+                if isinstance(step, Query | Copy):
                     if conn is None:
                         held = source()
                         conn = held.__enter__()
                         if op.atomic:
-                            transaction = conn.transaction()
+                            transaction = _atomic_block(conn)
                             transaction.__enter__()
                     try:
                         rows = execute(conn, step)
@@ -227,12 +228,12 @@ class AsyncRunner(_Runner):
         try:
             step = next(steps)
             while True:
-                if isinstance(step, Query):
+                if isinstance(step, Query | Copy):
                     if conn is None:
                         held = await self._pool_connection()
                         conn = await held.__aenter__()
                     if op.atomic and transaction is None:
-                        transaction = conn.transaction()
+                        transaction = _atomic_block(conn)
                         await transaction.__aenter__()
                     try:
                         rows = await async_execute(conn, step)
@@ -269,6 +270,18 @@ class AsyncRunner(_Runner):
                 await held.__aexit__(None, None, None)
             for waiter in waiters:
                 self._listener().unsubscribe(waiter)
+
+
+def _atomic_block(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> Any:
+    """Where an atomic operation's statements run: a transaction of its own
+    on a connection in autocommit mode (tenantq's pool, or a caller's), a
+    savepoint inside a transaction already open. On a caller's connection
+    that is not in autocommit mode and has no transaction open yet, its
+    statements begin the caller's transaction, which the caller commits:
+    psycopg's `transaction()` would begin and commit one of its own there."""
+    if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        return nullcontext()
+    return conn.transaction()
 
 
 @contextmanager

@@ -312,6 +312,8 @@ class Worker:
                 if priority not in with_work:
                     continue
                 batch = claim_next(conn, request, priority, notes=notes, abandon=self.stopping.is_set)
+                metrics.PICK_LOCK_WAIT.labels(priority).observe(notes.lock_wait)
+                metrics.PICK_LOCK_HELD.labels(priority).observe(notes.lock_held)
                 if batch is not None:
                     waits = metrics.JOB_WAIT.labels(priority)
                     for job in batch.jobs:

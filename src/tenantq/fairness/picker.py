@@ -19,6 +19,7 @@ so the next pick does not probe it again.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,9 +45,38 @@ class PickNotes:
     tenant it passed over gets a token (the slot waits no longer)."""
 
     next_token_in: float | None = None
+    # The last pick's wait for its class's cursor lock (from BEGIN until the
+    # locked row arrived, one round trip included) and how long it then held
+    # the lock (until its COMMIT returned), in seconds. Every pick of the
+    # fleet takes that lock in turn, so 1 / lock_held is the picks per second
+    # one class allows (docs/benchmarks.md, "Many workers").
+    lock_wait: float = 0.0
+    lock_held: float = 0.0
 
     def token_in(self, seconds: float) -> None:
         self.next_token_in = seconds if self.next_token_in is None else min(self.next_token_in, seconds)
+
+
+class _LockClock:
+    """Times a pick's cursor lock into its PickNotes. Entered before the
+    pick's transaction and left after it, so the hold ends with the COMMIT."""
+
+    def __init__(self, notes: PickNotes) -> None:
+        self.notes = notes
+        self.started = self.locked = 0.0
+
+    def __enter__(self) -> _LockClock:
+        self.notes.lock_wait = self.notes.lock_held = 0.0
+        self.started, self.locked = time.perf_counter(), 0.0
+        return self
+
+    def lock_taken(self) -> None:
+        self.locked = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.locked:
+            self.notes.lock_wait = self.locked - self.started
+            self.notes.lock_held = time.perf_counter() - self.locked
 
 
 @dataclass(frozen=True)
@@ -85,12 +115,13 @@ def claim_next(
     # cursor lock is held until that commit, so every other pick of the class
     # waits for it: only what decides the schedule happens inside; the
     # batch's jobs are built from the leased rows after the commit.
-    with conn.pipeline(), conn.transaction():
+    with _LockClock(notes) as clock, conn.pipeline(), conn.transaction():
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
         kinds = None if request.kinds is None else list(request.kinds)
         found = conn.execute(composed("queues", "candidates", rate_columns="rate_columns"),
                              {"priority": priority, "limit": PROBE_LIMIT, "kinds": kinds, "now": now})
         row = locked.fetchone()
+        clock.lock_taken()
         assert row is not None, "scheduler rows are created by the schema"
         cursor, turn_open = str(row["cursor_tenant"]), bool(row["turn_open"])
         rows = found.fetchall()

@@ -26,6 +26,15 @@ from tenantq.store.queries import sql
 REGISTRY = CollectorRegistry(auto_describe=True)
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
+# a pick's cursor lock: sub-millisecond when uncontended
+LOCK_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+PICK_LOCK_WAIT = Histogram("tenantq_pick_lock_wait_seconds",
+                           "Time a pick waited for its class's scheduler cursor lock "
+                           "(one round trip included).",
+                           ["priority"], buckets=LOCK_BUCKETS, registry=REGISTRY)
+PICK_LOCK_HELD = Histogram("tenantq_pick_lock_held_seconds",
+                           "Time a pick held its class's scheduler cursor lock, to its commit.",
+                           ["priority"], buckets=LOCK_BUCKETS, registry=REGISTRY)
 JOB_WAIT = Histogram("tenantq_job_wait_seconds", "Time a job was runnable before it started.",
                      ["priority"], buckets=TIME_BUCKETS, registry=REGISTRY)
 JOB_RUN = Histogram("tenantq_job_run_seconds", "Time a job's handler ran.", ["priority"],

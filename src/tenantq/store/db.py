@@ -16,6 +16,8 @@ import logging
 import os
 import re
 import sys
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from tenantq.errors import DatabaseUnavailable, InvalidInput
 from tenantq.settings import Settings
@@ -155,24 +157,60 @@ class Database:
         return Pool(self, min_size=min_size, max_size=max_size, name=name, check=check)
 
 
+# A connection given back to its pool less than this long ago worked then:
+# handing it out again skips the check's round trip (HikariCP's
+# aliveBypassWindowMs, 500 ms). A producer enqueueing one job per call pays
+# one round trip, not two; one that sat idle longer is checked, so a
+# Postgres restart between calls still costs a reconnect, not an error.
+CHECK_BYPASS_SECONDS = 0.5
+
+
+class RecentlyUsed:
+    """The check behind CHECK_BYPASS_SECONDS: a connection is stamped as it
+    goes back to its pool (by the code that used it: the pool's own `reset`
+    callback would move every return onto a worker thread), and `check`,
+    run before one is handed out, skips the round trip for a fresh stamp.
+    One per pool."""
+
+    def __init__(self) -> None:
+        self._returned: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def stamp(self, conn: Any) -> None:
+        self._returned[conn] = time.monotonic()
+
+    def fresh(self, conn: Any) -> bool:
+        returned = self._returned.get(conn)
+        return returned is not None and time.monotonic() - returned < CHECK_BYPASS_SECONDS
+
+    def check(self, conn: Conn) -> None:
+        if not self.fresh(conn):
+            ConnectionPool.check_connection(conn)
+
+    async def acheck(self, conn: Any) -> None:
+        if not self.fresh(conn):
+            await AsyncConnectionPool.check_connection(conn)
+
+
 class Pool:
     """A psycopg pool. With `check`, connections are checked before use (one
-    round trip), so a Postgres restart costs a reconnect instead of an error;
-    the worker passes check=False because every claim and settle already
-    retries on a connection error, and the round trip would be paid per batch."""
+    round trip, skipped for one used in the last CHECK_BYPASS_SECONDS), so a
+    Postgres restart costs a reconnect instead of an error; the worker passes
+    check=False because every claim and settle already retries on a
+    connection error, and the round trip would be paid per batch."""
 
     def __init__(self, db: Database, *, min_size: int, max_size: int, name: str, check: bool = True) -> None:
         self.db = db
         # one plain connection first: an unreachable server fails here in
         # seconds with one line, before the pool starts retrying (and logging)
         db.check()
+        self._recent = RecentlyUsed() if check else None
         self._pool: ConnectionPool[Conn] = ConnectionPool(
             db.conninfo,
             min_size=min_size,
             max_size=max_size,
             name=name,
             kwargs={"autocommit": True, "row_factory": dict_row},
-            check=ConnectionPool.check_connection if check else None,
+            check=self._recent.check if self._recent else None,
             open=False,
         )
         try:
@@ -185,7 +223,11 @@ class Pool:
     @contextmanager
     def connection(self) -> Iterator[Conn]:
         with self._pool.connection() as conn:
-            yield conn
+            try:
+                yield conn
+            finally:
+                if self._recent is not None:
+                    self._recent.stamp(conn)
 
     def close(self) -> None:
         self._pool.close()

@@ -10,15 +10,13 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from psycopg.types.json import Jsonb
 
-from tenantq.errors import InvalidInput, JobNotFound, LeaseLost
-from tenantq.store import validation
+from tenantq.errors import JobNotFound, LeaseLost
 from tenantq.store.db import Conn
 from tenantq.store.history import history_steps, outcome_note
-from tenantq.store.model import Batch, ClaimedJob, JobInfo, NewJob, Priority, Settlement
-from tenantq.store.queries import composed, qualified, sql
+from tenantq.store.model import Batch, ClaimedJob, JobInfo, Priority, Settlement
+from tenantq.store.queries import composed, sql
 from tenantq.store.steps import Query, Steps, run
 
 # a row as the store's connections return it (db.Conn's dict_row)
@@ -34,62 +32,10 @@ class _RawJson:
         self.text = text
 
 
-def _jsonb_text(text: str) -> Jsonb:
+def jsonb_text(text: str) -> Jsonb:
     # Jsonb with an identity dumps: the payload was serialised during
     # validation and is not serialised a second time.
     return Jsonb(_RawJson(text), dumps=lambda obj: obj.text)
-
-
-def insert_steps(
-    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
-) -> Steps[list[int]]:
-    """Insert validated jobs in one statement; returns ids in input order.
-
-    A job whose idempotency key already exists for its tenant is not
-    inserted; its existing id is returned in its place. The statements are
-    schema-qualified: they also run on a caller's connection, in the
-    caller's transaction (whose search_path is the caller's).
-    """
-    if not jobs:
-        return []
-    params = {
-        "tenant_ids": [j.tenant_id for j, _ in jobs],
-        "kinds": [j.kind for j, _ in jobs],
-        "payloads": [_jsonb_text(text) for _, text in jobs],
-        "priorities": [j.priority for j, _ in jobs],
-        "max_attempts": [j.max_attempts for j, _ in jobs],
-        "delays": [j.delay for j, _ in jobs],
-        "keys": [j.key for j, _ in jobs],
-        "actors": [j.actor for j, _ in jobs],
-        "metas": [None if j.meta_json is None else _jsonb_text(j.meta_json) for j, _ in jobs],
-        "now": now,
-        "channel": channel,
-    }
-    # one statement, so autocommit makes it one round trip and one commit
-    try:
-        rows = yield Query(qualified("jobs", "insert", schema), params)
-    except psycopg.errors.CheckViolation as exc:
-        # Validation mirrors every CHECK; this is the backstop for a payload
-        # whose jsonb rendering outgrows its JSON text (e.g. 1e300 spelled out).
-        if exc.diag.constraint_name in ("payload_size", "meta_size"):
-            limit = validation.MAX_PAYLOAD_BYTES if exc.diag.constraint_name == "payload_size" \
-                else validation.MAX_META_BYTES
-            what = exc.diag.constraint_name.split("_")[0]
-            raise InvalidInput(f"{what} is over {limit} bytes as stored by Postgres") from None
-        raise
-    if len(rows) == len(jobs):
-        return [int(str(r["id"])) for r in rows]
-    by_key: dict[tuple[str, str], int] = {}
-    keyed = [(j.tenant_id, j.key) for j, _ in jobs if j.key is not None]
-    if keyed:
-        existing = yield Query(qualified("jobs", "ids_by_key", schema),
-                               {"tenant_ids": [t for t, _ in keyed], "keys": [k for _, k in keyed]})
-        by_key = {(str(r["tenant_id"]), str(r["idempotency_key"])): int(str(r["id"])) for r in existing}
-    fresh = iter(int(str(r["id"])) for r in rows if r["idempotency_key"] is None)
-    ids: list[int] = []
-    for job, _ in jobs:
-        ids.append(by_key[(job.tenant_id, job.key)] if job.key is not None else next(fresh))
-    return ids
 
 
 @dataclass(frozen=True)
@@ -249,7 +195,7 @@ def settle(
                     "ids": [s.job_id for s in settlements],
                     "statuses": [s.status for s in settlements],
                     "results": [None if s.status != "done" else
-                                _jsonb_text(s.result_json) if s.result_json is not None else Jsonb(s.result)
+                                jsonb_text(s.result_json) if s.result_json is not None else Jsonb(s.result)
                                 for s in settlements],
                     "errors": [s.error for s in settlements],
                     "delays": [s.delay for s in settlements],

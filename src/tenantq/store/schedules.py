@@ -22,7 +22,7 @@ from typing import Any
 from tenantq.errors import InvalidInput
 from tenantq.store import validation
 from tenantq.store.cron import cron_expression, latest_fire, next_fire, time_zone, wall_clock
-from tenantq.store.jobs import insert_steps
+from tenantq.store.enqueue import insert_steps
 from tenantq.store.model import NewJob
 from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps

@@ -1,7 +1,7 @@
 """Store operations written once, run on a sync or an async connection.
 
-An operation is a generator that yields `Query` steps and receives each
-one's rows; it does no I/O itself (sans-I/O, as psycopg's own internals
+An operation is a generator that yields `Query` (and `Copy`) steps and
+receives each one's rows; it does no I/O itself (sans-I/O, as psycopg's own internals
 are written). `run` executes the steps on a `psycopg.Connection`, `arun` on
 a `psycopg.AsyncConnection`: the SQL, the parameters and the decisions
 between statements exist once, and `tenantq.Queue` and `tenantq.AsyncQueue`
@@ -18,7 +18,7 @@ statements behave as on its own.
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,6 +38,16 @@ class Query:
 
     text: str | pgsql.Composable
     params: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Copy:
+    """`COPY ... FROM STDIN (FORMAT binary)` of `rows`, whose columns have
+    the Postgres `types`; the step's answer is [] (COPY returns no rows)."""
+
+    text: str | pgsql.Composable
+    types: Sequence[str]
+    rows: Iterable[Sequence[Any]]
 
 
 # an operation: yields Query (and, in client/, other steps), returns T
@@ -65,14 +75,26 @@ def async_cursor(conn: psycopg.AsyncConnection[Any]) -> psycopg.AsyncCursor[dict
     return cur
 
 
-def execute(conn: psycopg.Connection[Any], step: Query) -> Rows:
+def execute(conn: psycopg.Connection[Any], step: Query | Copy) -> Rows:
     with cursor(conn) as cur:
-        cur.execute(step.text, step.params)  # type: ignore[arg-type]  # text is from the .sql files
+        if isinstance(step, Copy):
+            with cur.copy(step.text) as copy:  # type: ignore[arg-type]  # text is from the .sql files
+                copy.set_types(list(step.types))
+                for row in step.rows:
+                    copy.write_row(row)
+            return []
+        cur.execute(step.text, step.params)  # type: ignore[arg-type]
         return cur.fetchall() if cur.description is not None else []
 
 
-async def async_execute(conn: psycopg.AsyncConnection[Any], step: Query) -> Rows:
+async def async_execute(conn: psycopg.AsyncConnection[Any], step: Query | Copy) -> Rows:
     async with async_cursor(conn) as cur:
+        if isinstance(step, Copy):
+            async with cur.copy(step.text) as copy:  # type: ignore[arg-type]
+                copy.set_types(list(step.types))
+                for row in step.rows:
+                    await copy.write_row(row)
+            return []
         await cur.execute(step.text, step.params)  # type: ignore[arg-type]
         return await cur.fetchall() if cur.description is not None else []
 
@@ -86,8 +108,8 @@ def run(conn: psycopg.Connection[Any], steps: Steps[T], *, atomic: bool = False)
     try:
         step = next(steps)
         while True:
-            if not isinstance(step, Query):
-                raise TypeError(f"store.steps.run runs Query steps only, got {type(step).__name__}")
+            if not isinstance(step, Query | Copy):
+                raise TypeError(f"store.steps.run runs Query and Copy steps only, got {type(step).__name__}")
             try:
                 rows = execute(conn, step)
             except psycopg.Error as exc:

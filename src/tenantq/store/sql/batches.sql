@@ -99,6 +99,16 @@ WHERE ended_at IS NULL
 ORDER BY created_at;
 
 -- name: prune
--- Ended batches are kept for a while as a record, then deleted.
+-- Ended batches are kept for TENANTQ_RETAIN_BATCHES as a record, then
+-- deleted oldest first, %(limit)s per statement (each its own short
+-- transaction, through batches_ended), so pruning a day of batches never
+-- holds many locks at once. Their egress-block rows go with them (ON DELETE
+-- CASCADE); their jobs ended long before (a job's batch_id is cleared when
+-- it settles).
 DELETE FROM batches
-WHERE ended_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(keep_seconds)s);
+WHERE batch_id IN (
+    SELECT batch_id FROM batches
+    WHERE ended_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(keep_seconds)s)
+    ORDER BY ended_at
+    LIMIT %(limit)s
+);

@@ -20,6 +20,14 @@
 -- Rows are inserted in input order (ORDER BY ord), so identity values come
 -- back ascending in input order; rows skipped by an idempotency-key conflict
 -- are looked up afterwards by key.
+--
+-- With %(digest)s the input is not jobs but a digest of the jobs that
+-- `copy_in` writes next in the same transaction (store/enqueue.py): one row
+-- per tenant, class and kind, with its least delay. The tenants and queues
+-- are upserted and the workers notified as for those jobs, and no job is
+-- inserted: the digest keeps what the upserts read (the least delay, the
+-- kinds due now, the least delay of the rest), so the one statement is the
+-- one definition of the wake-up for both ways in.
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -57,6 +65,7 @@ WITH input AS (
     SELECT i.tenant_id, i.kind, i.payload, i.priority, i.max_attempts,
            clock.now + make_interval(secs => i.delay), i.idempotency_key, clock.now, i.actor, i.meta
     FROM input i, clock
+    WHERE NOT %(digest)s::boolean
     ORDER BY i.ord
     ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, tenant_id, idempotency_key
@@ -68,11 +77,31 @@ WITH input AS (
     SELECT pg_notify(%(channel)s,
                      CASE WHEN EXISTS (SELECT 1 FROM input WHERE priority = 'interactive')
                           THEN 'interactive' ELSE '' END)
-    FROM (SELECT 1 FROM inserted LIMIT 1) AS any_inserted
+    FROM (SELECT 1 FROM inserted UNION ALL SELECT 1 WHERE %(digest)s::boolean LIMIT 1) AS any_inserted
 )
 SELECT id, tenant_id, idempotency_key
-FROM inserted, (SELECT count(*) FROM wake_listeners) AS fired
+FROM inserted
+-- A one-time filter (it names no column of `inserted`): Postgres evaluates
+-- it before reading any row, so the notification is sent with a digest too,
+-- where `inserted` is empty (a join with it would never run wake_listeners).
+WHERE (SELECT count(*) FROM wake_listeners) >= 0
 ORDER BY id;
+
+-- name: reserve_ids
+-- The ids of %(n)s jobs that `copy_in` writes, ascending, and the clock of
+-- their transaction. The sequence is looked up once (a scalar subquery, an
+-- InitPlan), not once per row; %(jobs_table)s is the quoted, qualified name.
+SELECT coalesce(%(now)s::timestamptz, now()) AS now,
+       array(SELECT nextval((SELECT pg_get_serial_sequence(%(jobs_table)s, 'id'))::regclass)
+             FROM generate_series(1, %(n)s)) AS ids;
+
+-- name: copy_in
+-- Jobs without idempotency keys from a bulk enqueue, after `insert` ran
+-- with their digest in the same transaction (lock order as for `insert`:
+-- tenants, queues, then jobs). COPY writes the reserved identity values
+-- as given.
+COPY {schema}.jobs (id, tenant_id, kind, payload, priority, max_attempts, run_after, created_at, actor, meta)
+FROM STDIN (FORMAT binary);
 
 -- name: ids_by_key
 -- Qualified like `insert`, which it follows on the same connection.

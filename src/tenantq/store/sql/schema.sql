@@ -126,11 +126,16 @@ CREATE TABLE batches (
 -- live leases per tenant: occupancy (caps) is counted from here
 CREATE INDEX batches_live ON batches (tenant_id) WHERE ended_at IS NULL;
 CREATE INDEX batches_live_expiry ON batches (lease_expires_at) WHERE ended_at IS NULL;
+-- Retention of ended batches, oldest first (migration 0011).
+CREATE INDEX batches_ended ON batches (ended_at) WHERE ended_at IS NOT NULL;
 
 CREATE TABLE jobs (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     tenant_id       text NOT NULL REFERENCES tenants (tenant_id) ON DELETE CASCADE,
-    kind            text NOT NULL CONSTRAINT kind_format CHECK (kind ~ '^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$'),
+    -- a star and a length test, not `{0,199}`: the regex engine walks a
+    -- bounded repeat's 199 states for every row (migration 0010)
+    kind            text NOT NULL
+        CONSTRAINT kind_format CHECK (length(kind) <= 200 AND kind ~ '^[A-Za-z_][A-Za-z0-9_.:-]*$'),
     payload         jsonb NOT NULL,
     priority        text NOT NULL DEFAULT 'default'
         CONSTRAINT job_priority_known CHECK (priority IN ('interactive', 'default', 'bulk')),

@@ -1,0 +1,170 @@
+"""Writing validated jobs: one statement for a few, COPY for many.
+
+`insert_steps` is one statement (unnest of arrays, one round trip with
+autocommit): `enqueue`, small `enqueue_many` calls, schedules, and any
+call with idempotency keys (their conflicts need `ON CONFLICT`).
+
+`copy_steps` is the bulk path of `enqueue_many` (`COPY_AT` jobs or more,
+none with a key). Where the time of a 20,000-job `insert` went: about a
+third in psycopg turning nine Python lists into arrays, a row at a time in
+Python; COPY's binary rows are formatted in C. Three statements, which must
+run in one transaction (`Queue.enqueue_many` is an atomic operation: its
+own transaction, or a savepoint in the caller's):
+
+1. `insert` with a digest of the jobs (one row per tenant, class and kind):
+   the tenants and queues are upserted and the workers notified exactly as
+   for the jobs themselves, in the same lock order (tenants, queues, jobs);
+2. `reserve_ids`: ids for the jobs from the table's identity sequence, and
+   the transaction's clock;
+3. `copy_in`: the jobs, with those ids, so the ids come back in input order
+   without reading the rows back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+
+from tenantq.errors import InvalidInput
+from tenantq.store import validation
+from tenantq.store.jobs import jsonb_text
+from tenantq.store.model import NewJob
+from tenantq.store.queries import qualified
+from tenantq.store.steps import Copy, Query, Steps
+
+# From this many jobs (without idempotency keys) enqueue_many uses COPY:
+# below it, the two extra round trips cost more than the arrays' dumping
+# saves (bench/throughput.py measures both sides).
+COPY_AT = 1_000
+
+_COPY_TYPES = ("int8", "text", "text", "jsonb", "text", "int4", "timestamptz", "timestamptz", "text", "jsonb")
+
+
+def enqueue_steps(
+    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+) -> Steps[list[int]]:
+    """Write validated jobs, the fastest way for their number; ids in input
+    order. Must run in one transaction (see the module docstring)."""
+    if len(jobs) >= COPY_AT and all(job.key is None for job, _ in jobs):
+        return (yield from copy_steps(jobs, schema=schema, channel=channel, now=now))
+    return (yield from insert_steps(jobs, schema=schema, channel=channel, now=now))
+
+
+def _insert_params(jobs: Sequence[tuple[NewJob, str]], *, channel: str,
+                   now: datetime | None) -> dict[str, Any]:
+    return {
+        "tenant_ids": [j.tenant_id for j, _ in jobs],
+        "kinds": [j.kind for j, _ in jobs],
+        "payloads": [jsonb_text(text) for _, text in jobs],
+        "priorities": [j.priority for j, _ in jobs],
+        "max_attempts": [j.max_attempts for j, _ in jobs],
+        "delays": [j.delay for j, _ in jobs],
+        "keys": [j.key for j, _ in jobs],
+        "actors": [j.actor for j, _ in jobs],
+        "metas": [None if j.meta_json is None else jsonb_text(j.meta_json) for j, _ in jobs],
+        "now": now,
+        "channel": channel,
+        "digest": False,
+    }
+
+
+def _refused(exc: psycopg.errors.CheckViolation) -> InvalidInput | None:
+    """Validation mirrors every CHECK; this is the backstop for a payload
+    whose jsonb rendering outgrows its JSON text (e.g. 1e300 spelled out)."""
+    if exc.diag.constraint_name in ("payload_size", "meta_size"):
+        limit = validation.MAX_PAYLOAD_BYTES if exc.diag.constraint_name == "payload_size" \
+            else validation.MAX_META_BYTES
+        what = exc.diag.constraint_name.split("_")[0]
+        return InvalidInput(f"{what} is over {limit} bytes as stored by Postgres")
+    return None
+
+
+
+def insert_steps(
+    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+) -> Steps[list[int]]:
+    """Insert validated jobs in one statement; returns ids in input order.
+
+    A job whose idempotency key already exists for its tenant is not
+    inserted; its existing id is returned in its place. The statements are
+    schema-qualified: they also run on a caller's connection, in the
+    caller's transaction (whose search_path is the caller's).
+    """
+    if not jobs:
+        return []
+    # one statement, so autocommit makes it one round trip and one commit
+    try:
+        params = _insert_params(jobs, channel=channel, now=now)
+        rows = yield Query(qualified("jobs", "insert", schema), params)
+    except psycopg.errors.CheckViolation as exc:
+        refused = _refused(exc)
+        if refused is not None:
+            raise refused from None
+        raise
+    if len(rows) == len(jobs):
+        return [int(str(r["id"])) for r in rows]
+    by_key: dict[tuple[str, str], int] = {}
+    keyed = [(j.tenant_id, j.key) for j, _ in jobs if j.key is not None]
+    if keyed:
+        existing = yield Query(qualified("jobs", "ids_by_key", schema),
+                               {"tenant_ids": [t for t, _ in keyed], "keys": [k for _, k in keyed]})
+        by_key = {(str(r["tenant_id"]), str(r["idempotency_key"])): int(str(r["id"])) for r in existing}
+    fresh = iter(int(str(r["id"])) for r in rows if r["idempotency_key"] is None)
+    ids: list[int] = []
+    for job, _ in jobs:
+        ids.append(by_key[(job.tenant_id, job.key)] if job.key is not None else next(fresh))
+    return ids
+
+
+def _digest(jobs: Sequence[tuple[NewJob, str]]) -> list[tuple[str, str, str, float]]:
+    """(tenant, class, kind, delay): a row for the kind's jobs due now (delay
+    0) and one with the least delay of its delayed jobs, if it has each; the
+    queue upsert of `insert` reads no more than that (its least delay, the
+    kinds due now, the least delay of the delayed)."""
+    due: set[tuple[str, str, str]] = set()
+    delayed: dict[tuple[str, str, str], float] = {}
+    for job, _ in jobs:
+        key = (job.tenant_id, job.priority, job.kind)
+        if job.delay <= 0:
+            due.add(key)
+        elif job.delay < delayed.get(key, float("inf")):
+            delayed[key] = job.delay
+    return sorted([(*key, 0.0) for key in due] + [(*key, delay) for key, delay in delayed.items()])
+
+
+def copy_steps(
+    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+) -> Steps[list[int]]:
+    """The bulk path (module docstring): jobs without idempotency keys."""
+    assert all(job.key is None for job, _ in jobs), "copy_steps writes jobs without idempotency keys"
+    digest = _digest(jobs)
+    # the digest's columns; unnest pads the ones it lacks with NULLs
+    params: dict[str, Any] = {key: [] for key in ("payloads", "max_attempts", "keys", "actors", "metas")}
+    params.update(tenant_ids=[d[0] for d in digest], priorities=[d[1] for d in digest],
+                  kinds=[d[2] for d in digest], delays=[d[3] for d in digest],
+                  now=now, channel=channel, digest=True)
+    yield Query(qualified("jobs", "insert", schema), params)
+    table = pgsql.Identifier(schema, "jobs").as_string()
+    reserved = yield Query(qualified("jobs", "reserve_ids", schema), {"n": len(jobs), "now": now,
+                                                                      "jobs_table": table})
+    clock: datetime = reserved[0]["now"]
+    ids: list[int] = reserved[0]["ids"]
+    try:
+        yield Copy(qualified("jobs", "copy_in", schema), _COPY_TYPES, _rows(jobs, ids, clock))
+    except psycopg.errors.CheckViolation as exc:
+        refused = _refused(exc)
+        if refused is not None:
+            raise refused from None
+        raise
+    return ids
+
+
+def _rows(jobs: Sequence[tuple[NewJob, str]], ids: list[int], clock: datetime) -> Iterator[tuple[Any, ...]]:
+    for job_id, (job, text) in zip(ids, jobs, strict=True):
+        run_after = clock if job.delay <= 0 else clock + timedelta(seconds=job.delay)
+        yield (job_id, job.tenant_id, job.kind, jsonb_text(text), job.priority, job.max_attempts, run_after,
+               clock, job.actor, None if job.meta_json is None else jsonb_text(job.meta_json))
