@@ -44,8 +44,8 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False, "grid": False, "big": 300},
     "scaling": {"picks": 5, "max_pending": 1_000},
-    "scale": {"processes": (1, 2), "batches": (10,), "kinds": ("no-op",), "jobs": 3_000, "warmup": 0.5,
-              "seconds": 1.0},
+    "scale": {"processes": (1, 2), "batches": (10,), "kinds": ("no-op",), "jobs": {"no-op": 3_000},
+              "warmup": 0.5, "seconds": 1.0},
     "fairness": {"whales": (200,), "peers": False, "small_jobs": 2, "weights_run": 300, "plot": False},
     "sandbox": {"n": 2, "jobs_per_size": {1: 2, 10: 10}},
     "egress": {"n": 20, "setups": 5},

@@ -176,8 +176,11 @@ def _db_clock(db: Database) -> Any:
 
 
 def run(*, processes: tuple[int, ...] = (1, 2, 4, 8), batches: tuple[int, ...] = (10, 100),
-        kinds: tuple[str, ...] = ("no-op", "5 ms"), jobs: int = 400_000, warmup: float = 3.0,
+        kinds: tuple[str, ...] = ("no-op", "5 ms"), jobs: dict[str, int] | None = None, warmup: float = 3.0,
         seconds: float = 8.0) -> dict[str, Any]:
+    """`jobs`: the backlog per kind of job, more than any point drains in
+    warmup + seconds (a point that drained it says so)."""
+    backlog = jobs or {"no-op": 250_000, "5 ms": 60_000}
     dsn = Database.resolve().dsn
     with scratch_schema("scaleinfo", dsn) as db:
         info = machine_info(db)
@@ -185,13 +188,13 @@ def run(*, processes: tuple[int, ...] = (1, 2, 4, 8), batches: tuple[int, ...] =
     for kind in kinds:
         for batch in batches:
             for procs in processes:
-                result = _point(dsn, processes=procs, batch_size=batch, kind=KINDS[kind], jobs=jobs,
+                result = _point(dsn, processes=procs, batch_size=batch, kind=KINDS[kind], jobs=backlog[kind],
                                 warmup=warmup, seconds=seconds)
                 points.append({"kind": kind, "batch_size": batch, "processes": procs, **result})
                 console.print(points[-1])
     _print(points)
     payload = {"benchmark": "scale", "machine": info,
-               "settings": {"processes": processes, "batches": batches, "kinds": kinds, "jobs": jobs,
+               "settings": {"processes": processes, "batches": batches, "kinds": kinds, "jobs": backlog,
                             "warmup": warmup, "seconds": seconds, "concurrency": CONCURRENCY,
                             "small_every_s": SMALL_EVERY},
                "points": points, "tenantq": tenantq.__version__}

@@ -52,6 +52,12 @@ def _noop(payload: Any, ctx: tenantq.JobContext) -> None:
     return None
 
 
+def _job(seq: int, tenants: int) -> JobSpec:
+    """The payload every peer's jobs carry too (bench/peers/peerlib.py, JobPayload)."""
+    tenant = f"t{seq % tenants}"
+    return JobSpec(tenant, "bench.noop", {"tenant": tenant, "seq": seq})
+
+
 def _drain_process(dsn: str, schema: str, concurrency: int, batch_size: int, ready: Any, go: Any,
                    out: Any) -> None:
     worker = Worker(Database(dsn=dsn, schema=schema), InlineExecutor(REGISTRY),
@@ -94,9 +100,9 @@ def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concur
         q = Queue(db.dsn, schema=db.schema)
         t0 = time.perf_counter()
         for i in range(single):
-            q.enqueue(f"t{i % tenants}", "bench.noop")
+            q.enqueue(f"t{i % tenants}", "bench.noop", {"tenant": f"t{i % tenants}", "seq": i})
         single_s = time.perf_counter() - t0
-        specs = [JobSpec(f"t{i % tenants}", "bench.noop") for i in range(jobs)]
+        specs = [_job(i, tenants) for i in range(single, single + jobs)]
         t0 = time.perf_counter()
         q.enqueue_many(specs)
         many_s = time.perf_counter() - t0
@@ -104,7 +110,7 @@ def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concur
         assert done == jobs + single, f"drained {done} of {jobs + single}"
         big_s = 0.0
         if big:  # one call of a large import, after the drain (not drained)
-            specs = [JobSpec(f"t{i % tenants}", "bench.noop") for i in range(big)]
+            specs = [_job(i, tenants) for i in range(big)]
             t0 = time.perf_counter()
             q.enqueue_many(specs)
             big_s = time.perf_counter() - t0

@@ -6,7 +6,7 @@ import pytest
 
 from tenantq.dispatch.maintenance import LeaseBook
 from tenantq.dispatch.wakeup import Wakeup
-from tenantq.store.queries import composed, migration_files, parse_blocks, sql
+from tenantq.store.queries import composed, migration_files, parse_blocks, qualified, sql
 
 
 def test_parse_blocks() -> None:
@@ -17,7 +17,7 @@ def test_parse_blocks() -> None:
 
 
 def test_every_sql_file_loads() -> None:
-    assert "FOR UPDATE" in composed("jobs", "claim", lease="lease").as_string(None)
+    assert "FOR UPDATE" in composed("jobs", "claim", lease="lease")
     with pytest.raises(KeyError, match="placeholders"):
         sql("jobs", "claim")
     with pytest.raises(KeyError, match="no SQL block"):
@@ -66,3 +66,16 @@ def test_the_test_command_runs_every_test_dir() -> None:
     dirs = sorted(f"tests/{p.name}" for p in (root / "tests").iterdir()
                   if p.is_dir() and any(p.glob("test_*.py")))
     assert sorted(listed) == dirs, (listed, dirs)
+
+
+def test_hot_statements_are_sent_without_comment_lines_and_short_enough_for_psycopgs_cache() -> None:
+    """psycopg caches the conversion of a statement's %(name)s placeholders
+    only up to MAX_CACHED_STATEMENT_LENGTH bytes: the statements run per job
+    or per batch are sent without their whole-line comments, and fit."""
+    from psycopg._queries import MAX_CACHED_STATEMENT_LENGTH
+
+    hot = [qualified("jobs", "insert", "tenantq"), composed("jobs", "claim", lease="lease"),
+           sql("jobs", "settle"), composed("queues", "candidates", rate_columns="rate_columns")]
+    for statement in hot:
+        assert not [line for line in statement.splitlines() if line.lstrip().startswith("--")]
+        assert len(statement.encode()) <= MAX_CACHED_STATEMENT_LENGTH, statement[:80]

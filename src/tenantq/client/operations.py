@@ -44,6 +44,9 @@ class JobSpec:
     meta: dict[str, Any] | None = None
 
 
+_SPEC_FIELDS = frozenset(JobSpec.__dataclass_fields__)
+
+
 def _job_id(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**63:
         raise InvalidInput(f"job id must be a positive integer, got {value!r}")
@@ -131,9 +134,10 @@ class Operations:
         validated: list[tuple[NewJob, str]] = []
         for index, spec in enumerate(specs):
             fields = spec if isinstance(spec, Mapping) else spec.__dict__
-            unknown = set(fields) - set(JobSpec.__dataclass_fields__)
+            # (a JobSpec itself has no other fields)
+            unknown = () if type(spec) is JobSpec else fields.keys() - _SPEC_FIELDS
             if unknown:
-                raise InvalidInput(f"job {index}: unknown field(s) {', '.join(sorted(unknown))}")
+                raise InvalidInput(f"job {index}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
             try:
                 validated.append(validation.new_job(
                     fields.get("tenant"), fields.get("kind"), fields.get("payload"),

@@ -97,6 +97,9 @@ class operation(Generic[P, T]):  # lower case: a decorator, like property
             bound = bound_sync
         functools.update_wrapper(bound, self.steps)
         bound.__signature__ = self.signature  # type: ignore[attr-defined]
+        # made once per queue: the instance's attribute now shadows this
+        # (non-data) descriptor, so `q.enqueue(...)` does not rebuild it per call
+        obj.__dict__[self.name] = bound
         return bound
 
 

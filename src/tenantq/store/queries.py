@@ -32,7 +32,16 @@ def parse_blocks(text: str) -> dict[str, str]:
 @cache
 def _file_blocks(noun: str) -> dict[str, str]:
     text = resources.files("tenantq.store").joinpath("sql").joinpath(f"{noun}.sql").read_text()
-    return parse_blocks(text)
+    return {name: _without_comment_lines(body) for name, body in parse_blocks(text).items()}
+
+
+def _without_comment_lines(body: str) -> str:
+    """The statement as sent: without its whole-line comments (the files are
+    where they are read). Shorter is faster: psycopg caches the conversion of
+    a query's %(name)s placeholders only for statements of at most 4,096
+    bytes (its MAX_CACHED_STATEMENT_LENGTH), and `insert` and `settle` were
+    longer with their comments, so each call parsed them again."""
+    return "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("--"))
 
 
 def sql(noun: str, name: str) -> LiteralString:
@@ -48,21 +57,28 @@ def sql(noun: str, name: str) -> LiteralString:
 
 
 @cache
-def qualified(noun: str, name: str, schema: str) -> Composed:
+def qualified(noun: str, name: str, schema: str) -> LiteralString:
     """The statement `name` with `{schema}` replaced by the quoted schema.
 
     For statements that also run on a caller's connection (enqueue inside
     the caller's transaction), whose search_path is the caller's: their
     names are qualified instead of relying on search_path, which tenantq
-    never changes on a connection it does not own."""
-    return SQL(_block(noun, name)).format(schema=Identifier(schema))
+    never changes on a connection it does not own. Rendered once, to text
+    (a Composed would be joined again on every execute)."""
+    return _rendered(SQL(_block(noun, name)).format(schema=Identifier(schema)))
 
 
 @cache
-def composed(noun: str, name: str, **fragments: str) -> Composed:
+def composed(noun: str, name: str, **fragments: str) -> LiteralString:
     """The statement `name` with each `{fragment}` replaced by the block of
     that name in the same file (one text for what two statements share)."""
-    return SQL(_block(noun, name)).format(**{k: SQL(_block(noun, v)) for k, v in fragments.items()})
+    fills = {k: SQL(_block(noun, v)) for k, v in fragments.items()}
+    return _rendered(SQL(_block(noun, name)).format(**fills))
+
+
+def _rendered(statement: Composed) -> LiteralString:
+    # the pieces are the package's SQL files and a quoted identifier
+    return statement.as_string()
 
 
 def _block(noun: str, name: str) -> LiteralString:

@@ -20,9 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import cache
-from typing import Any
+from typing import Any, LiteralString
 
-from psycopg.sql import Composed
 from psycopg.types.json import Jsonb
 
 from tenantq.errors import InvalidInput
@@ -252,6 +251,6 @@ def cursor_of(row: Mapping[str, Any]) -> str:
 
 
 @cache
-def statement(name: str) -> Composed:
+def statement(name: str) -> LiteralString:
     """The block `name` of search.sql, its `{filters}` filled in."""
     return composed("search", name, filters="filters")

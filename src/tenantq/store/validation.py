@@ -55,7 +55,23 @@ def _utf8(text: str, what: str) -> bytes:
         ) from None
 
 
+# Tenant ids and kinds already found valid by this process: a bulk enqueue
+# names a few of each thousands of times. Exact str only (a subclass could
+# hash or compare differently); cleared when it grows past MEMO_SIZE.
+MEMO_SIZE = 10_000
+_valid_tenants: set[str] = set()
+_valid_kinds: set[str] = set()
+
+
+def _remember(memo: set[str], value: str) -> None:
+    if len(memo) >= MEMO_SIZE:
+        memo.clear()
+    memo.add(value)
+
+
 def tenant_id(value: object) -> str:
+    if type(value) is str and value in _valid_tenants:
+        return value
     if not isinstance(value, str) or not value:
         raise InvalidInput("tenant id must be a non-empty string")
     if len(value) > 128:
@@ -66,15 +82,21 @@ def tenant_id(value: object) -> str:
             f"tenant id {_shown(value)} is invalid: use letters, digits and . _ : @ - "
             "(starting with a letter or digit)"
         )
+    if type(value) is str:
+        _remember(_valid_tenants, value)
     return value
 
 
 def kind(value: object, what: str = "kind") -> str:
+    if type(value) is str and value in _valid_kinds:
+        return value
     if not isinstance(value, str) or not KIND.fullmatch(value):
         raise InvalidInput(
             f"{what} {_shown(value)} is invalid: 1-200 characters of letters, digits and _ . : - "
             "(starting with a letter or _)"
         )
+    if type(value) is str:
+        _remember(_valid_kinds, value)
     return value
 
 
@@ -91,6 +113,10 @@ def payload_json(value: Any) -> str:
     return _stored_json(value, "payload", MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH)
 
 
+# one encoder for every call (json.dumps with options builds one per call)
+_POSTGRES_RENDERING = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
+
+
 def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
     """`value` as the JSON text a jsonb column will hold, or InvalidInput.
 
@@ -102,7 +128,7 @@ def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
         raise InvalidInput(f"{what} is nested {depth} levels deep; the limit is {max_depth}")
     try:
         # serialised once, in Postgres' own rendering, and sent as is
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(", ", ": "))
+        text = _POSTGRES_RENDERING.encode(value)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"{what} is not JSON-serialisable: {exc}") from None
     size = len(_utf8(text, what)) + _exponent_growth(text)
@@ -116,6 +142,7 @@ def _stored_json(value: Any, what: str, max_bytes: int, max_depth: int) -> str:
 
 
 _EXPONENT_NUMBER = re.compile(r"-?\d+(?:\.\d+)?[eE][+-]?\d+")
+_DIGIT_EXPONENT = re.compile(r"\d[eE]")
 
 
 def _exponent_growth(text: str) -> int:
@@ -123,7 +150,7 @@ def _exponent_growth(text: str) -> int:
     (1e+300 becomes 1 and 300 zeros: jsonb keeps numerics and prints them
     in full), so the size checked here is the size its CHECK will see and
     an enqueue never fails on it inside a caller's transaction."""
-    if "e" not in text and "E" not in text:
+    if not _DIGIT_EXPONENT.search(text):  # no number with an exponent, in or out of strings
         return 0
     growth = 0
     for number in _EXPONENT_NUMBER.finditer(_STRING_LITERAL.sub('""', text)):
@@ -153,6 +180,8 @@ def nesting_depth(value: Any, what: str = "payload") -> int:
     sub-objects cost nothing extra. A container inside itself is rejected."""
     if not isinstance(value, dict | list | tuple):
         return 0
+    if not any(isinstance(child, dict | list | tuple) for child in _children(value)):
+        return 1  # the common payload: one object of scalars
     known: dict[int, int] = {}  # id -> depth of a container measured already
     # one frame per container on the current path: [container, its children, deepest child]
     path: list[list[Any]] = [[value, _children(value), 0]]
@@ -277,9 +306,11 @@ def new_job(
     meta: object = None,
 ) -> tuple[NewJob, str]:
     """Validate one job; returns it with its payload already serialised."""
-    payload = {} if payload is None else payload
-    text = payload_json(payload)  # what could not be stored at all, first
-    payload_object(payload)
+    if payload is None:  # no payload: {}, as the worker hands it to the handler
+        payload, text = {}, "{}"
+    else:
+        text = payload_json(payload)  # what could not be stored at all, first
+        payload_object(payload)
     job = NewJob(
         tenant_id=tenant_id(tenant),
         kind=kind(kind_),
