@@ -83,7 +83,7 @@ class BatchRun:
         self.stuck = False
         self.run_seconds = 0.0
         self._started_at: dict[int, float] = {}
-        self._run_histogram = metrics.JOB_RUN.labels(batch.priority)
+        self._run_histogram = metrics.sampled(metrics.JOB_RUN, batch.priority)
         self.egress: EgressUsed | None = None
         self.host_calls: dict[str, Any] | None = None
 
@@ -140,7 +140,8 @@ class BatchRun:
         seconds = self._seconds(job_id, event.seconds)
         if job_id not in self.undecodable:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
-        self._run_histogram.observe(seconds, metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
+        self._run_histogram.observe(seconds,
+                                    lambda: metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
         backoff = self.worker.config.backoff
         if self.worker.cancels.requested(job_id):
             # the host's own record of the request decides, whatever the
@@ -151,7 +152,8 @@ class BatchRun:
         else:
             settlement = failed(job, str(event.error or "failed"), backoff=backoff,
                                 retryable=event.retryable is not False)
-        self.pending.append(replace(settlement, host_calls=event.host_calls))
+        self.pending.append(settlement if event.host_calls is None
+                            else replace(settlement, host_calls=event.host_calls))
         since = time.monotonic() - self.last_flush
         if since >= self.worker.config.flush_seconds or self.worker.cancels.requested(job_id):
             self._write(end_outcome=None)

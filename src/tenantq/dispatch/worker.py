@@ -315,10 +315,11 @@ class Worker:
                 metrics.PICK_LOCK_WAIT.labels(priority).observe(notes.lock_wait)
                 metrics.PICK_LOCK_HELD.labels(priority).observe(notes.lock_held)
                 if batch is not None:
-                    waits = metrics.JOB_WAIT.labels(priority)
+                    waits = metrics.sampled(metrics.JOB_WAIT, priority)
                     for job in batch.jobs:
+                        # called at once, if at all: `job` is this iteration's
                         waits.observe(job.waited,
-                                      metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
+                                      lambda: metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))  # noqa: B023
                     self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
                     return batch, None
                 if priority == "interactive":

@@ -13,7 +13,9 @@ Two kinds:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import bisect
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app, start_http_server
@@ -70,6 +72,41 @@ DEAD_LETTERED = Counter("tenantq_dead_letter_total", "Jobs that reached dead.", 
                         registry=REGISTRY)
 
 BATCH_REASONS = ("ok", "oom", "timeout", "crashed", "killed", "failed")
+# A bucket shows the exemplar of its latest observation that had one: one per
+# bucket and second is plenty, and building and validating one per job was
+# about a third of an inline no-op job's host time (docs/benchmarks.md).
+EXEMPLAR_EVERY_SECONDS = 1.0
+
+
+class SampledExemplars:
+    """Observations of one histogram series; an exemplar (built only when
+    kept) goes with at most one observation per bucket per
+    EXEMPLAR_EVERY_SECONDS. Races between threads cost at most an extra one."""
+
+    def __init__(self, series: Any, bounds: tuple[float, ...] = TIME_BUCKETS) -> None:
+        self.series, self.bounds = series, bounds
+        self._last = [float("-inf")] * (len(bounds) + 1)
+
+    def observe(self, amount: float, exemplar: Callable[[], dict[str, str]]) -> None:
+        bucket = bisect.bisect_left(self.bounds, amount)
+        now = time.monotonic()
+        if now - self._last[bucket] >= EXEMPLAR_EVERY_SECONDS:
+            self._last[bucket] = now
+            self.series.observe(amount, exemplar())
+        else:
+            self.series.observe(amount)
+
+
+_sampled: dict[tuple[int, str], SampledExemplars] = {}
+
+
+def sampled(histogram: Histogram, label: str) -> SampledExemplars:
+    """The process's one SampledExemplars of `histogram`'s series `label`."""
+    key = (id(histogram), label)
+    found = _sampled.get(key)
+    if found is None:
+        found = _sampled.setdefault(key, SampledExemplars(histogram.labels(label)))
+    return found
 # OpenMetrics: an exemplar's label names and values total at most 128 characters
 EXEMPLAR_CHARS = 128
 

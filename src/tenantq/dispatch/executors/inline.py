@@ -148,7 +148,8 @@ class InlineExecutor:
                 running.clear()  # a call made after the job's end is refused, not counted for it
                 with self._cancel_lock:
                     self._running.pop(job.id, None)
-            report(replace(ended, host_calls=gate.take_job(job.id)))
+            calls = gate.take_job(job.id)
+            report(ended if calls is None else replace(ended, host_calls=calls))
 
 
 def describe_exception(exc: BaseException) -> str:
