@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,26 @@ def scratch_schema(prefix: str = "bench", dsn: str | None = None) -> Iterator[Da
     finally:
         with psycopg.connect(db.dsn, autocommit=True) as conn:
             conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
+
+
+@contextmanager
+def spawned(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], n: int) -> Iterator[list[Any]]:
+    """`n` processes of `target(*args, ready)` (spawn context `ctx`), started
+    and set up: each sets its own `ready` Event first. Killed on the way out
+    if still alive."""
+    ready = [ctx.Event() for _ in range(n)]
+    procs = [ctx.Process(target=target, args=(*args, r)) for r in ready]
+    try:
+        for proc in procs:
+            proc.start()
+        for r in ready:
+            if not r.wait(120):
+                raise RuntimeError(f"a {getattr(target, '__name__', 'worker')} process did not start")
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
 
 
 def machine_info(db: Database) -> dict[str, Any]:

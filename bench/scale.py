@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tenantq
-from bench.common import machine_info, save, scratch_schema
+from bench.common import machine_info, save, scratch_schema, spawned
 from tenantq import JobSpec, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
@@ -81,16 +81,8 @@ def _point(dsn: str, *, processes: int, batch_size: int, kind: str, jobs: int, w
         q.enqueue_many(specs)
         ctx = multiprocessing.get_context("spawn")
         go, opened, closed, out = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Queue()
-        ready = [ctx.Event() for _ in range(processes)]
-        procs = [ctx.Process(target=_measured_worker,
-                             args=(db.dsn, db.schema, batch_size, r, go, opened, closed, out))
-                 for r in ready]
-        try:
-            for proc in procs:
-                proc.start()
-            for r in ready:
-                if not r.wait(120):
-                    raise RuntimeError("a worker process did not start")
+        args = (db.dsn, db.schema, batch_size, go, opened, closed, out)
+        with spawned(ctx, _measured_worker, args, processes) as procs:
             go.set()
             small = _SmallTenant(q, kind)
             small.start()
@@ -105,10 +97,6 @@ def _point(dsn: str, *, processes: int, batch_size: int, kind: str, jobs: int, w
             small.stop()
             for proc in procs:
                 proc.join(60)
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
         with db.connect() as conn:
             row = conn.execute(WINDOW, {"s": start, "e": end}).fetchone()
         q.close()
@@ -130,8 +118,8 @@ def _point(dsn: str, *, processes: int, batch_size: int, kind: str, jobs: int, w
     }
 
 
-def _measured_worker(dsn: str, schema: str, batch_size: int, ready: Any, go: Any, opened: Any, closed: Any,
-                     out: Any) -> None:
+def _measured_worker(dsn: str, schema: str, batch_size: int, go: Any, opened: Any, closed: Any, out: Any,
+                     ready: Any) -> None:
     """A worker process: runs from `go`; reports its lock sums as the
     measured window opens and as it closes, then stops."""
     worker = Worker(Database(dsn=dsn, schema=schema), InlineExecutor(REGISTRY),

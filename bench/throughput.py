@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 import tenantq
-from bench.common import machine_info, save, scratch_schema, summarise
+from bench.common import machine_info, save, scratch_schema, spawned, summarise
 from tenantq import JobSpec, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
@@ -58,8 +58,8 @@ def _job(seq: int, tenants: int) -> JobSpec:
     return JobSpec(tenant, "bench.noop", {"tenant": tenant, "seq": seq})
 
 
-def _drain_process(dsn: str, schema: str, concurrency: int, batch_size: int, ready: Any, go: Any,
-                   out: Any) -> None:
+def _drain_process(dsn: str, schema: str, concurrency: int, batch_size: int, go: Any, out: Any,
+                   ready: Any) -> None:
     worker = Worker(Database(dsn=dsn, schema=schema), InlineExecutor(REGISTRY),
                     WorkerConfig(concurrency=concurrency, batch_size=batch_size, once=True))
     ready.set()
@@ -72,25 +72,14 @@ def _drain(db: Database, *, processes: int, concurrency: int, batch_size: int) -
     on) to drain the schema, timed from their common start; and jobs done."""
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
-    ready = [ctx.Event() for _ in range(processes)]
-    procs = [ctx.Process(target=_drain_process, args=(db.dsn, db.schema, concurrency, batch_size, r, go, out))
-             for r in ready]
-    try:
-        for proc in procs:
-            proc.start()
-        for r in ready:
-            if not r.wait(120):
-                raise RuntimeError("a tenantq worker process did not start")
+    args = (db.dsn, db.schema, concurrency, batch_size, go, out)
+    with spawned(ctx, _drain_process, args, processes) as procs:
         t0 = time.perf_counter()
         go.set()
         done = sum(out.get(timeout=600) for _ in procs)
         elapsed = time.perf_counter() - t0
         for proc in procs:
             proc.join(60)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
     return elapsed, done
 
 
