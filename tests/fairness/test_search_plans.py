@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, LiteralString
 
 import pytest
 from psycopg import sql as pgsql
@@ -61,10 +61,10 @@ def seeded() -> Iterator[Database]:
         drop_schema(db)
 
 
-def _plan(db: Database, statement: pgsql.Composable, params: dict[str, Any]) -> list[dict[str, Any]]:
+def _plan(db: Database, statement: LiteralString, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Every node of the EXPLAIN plan, flattened."""
     with db.connect() as conn:
-        row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ") + statement, params).fetchone()
+        row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ") + pgsql.SQL(statement), params).fetchone()
     assert row is not None
     doc = row["QUERY PLAN"]
     doc = json.loads(doc) if isinstance(doc, str) else doc
