@@ -23,6 +23,7 @@ own transaction, or a savepoint in the caller's):
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -36,9 +37,10 @@ from tenantq.store.model import NewJob
 from tenantq.store.queries import qualified
 from tenantq.store.steps import Copy, Query, Steps
 
-# From this many jobs (without idempotency keys) enqueue_many uses COPY:
-# below it, the two extra round trips cost more than the arrays' dumping
-# saves (bench/throughput.py measures both sides).
+# From this many jobs (without idempotency keys) enqueue_many uses COPY.
+# Below some size the two extra round trips cost more than the arrays'
+# dumping saves; 1,000 is a round number well above that, not a measured
+# crossover (./run bench throughput measures 20,000 and 200,000).
 COPY_AT = 1_000
 
 _COPY_TYPES = ("int8", "text", "text", "jsonb", "text", "int4", "timestamptz", "timestamptz", "text", "jsonb")
@@ -72,16 +74,20 @@ def _insert_params(jobs: Sequence[tuple[NewJob, str]], *, channel: str,
     }
 
 
-def _refused(exc: psycopg.errors.CheckViolation) -> InvalidInput | None:
-    """Validation mirrors every CHECK; this is the backstop for a payload
-    whose jsonb rendering outgrows its JSON text (e.g. 1e300 spelled out)."""
-    if exc.diag.constraint_name in ("payload_size", "meta_size"):
+@contextmanager
+def _size_backstop() -> Iterator[None]:
+    """Validation mirrors every CHECK; this is the backstop, on both paths,
+    for a payload whose jsonb rendering outgrows its JSON text (e.g. 1e300
+    spelled out): InvalidInput in one line instead of the database's error."""
+    try:
+        yield
+    except psycopg.errors.CheckViolation as exc:
+        if exc.diag.constraint_name not in ("payload_size", "meta_size"):
+            raise
         limit = validation.MAX_PAYLOAD_BYTES if exc.diag.constraint_name == "payload_size" \
             else validation.MAX_META_BYTES
         what = exc.diag.constraint_name.split("_")[0]
-        return InvalidInput(f"{what} is over {limit} bytes as stored by Postgres")
-    return None
-
+        raise InvalidInput(f"{what} is over {limit} bytes as stored by Postgres") from None
 
 
 def insert_steps(
@@ -97,14 +103,9 @@ def insert_steps(
     if not jobs:
         return []
     # one statement, so autocommit makes it one round trip and one commit
-    try:
-        params = _insert_params(jobs, channel=channel, now=now)
+    params = _insert_params(jobs, channel=channel, now=now)
+    with _size_backstop():
         rows = yield Query(qualified("jobs", "insert", schema), params)
-    except psycopg.errors.CheckViolation as exc:
-        refused = _refused(exc)
-        if refused is not None:
-            raise refused from None
-        raise
     if len(rows) == len(jobs):
         return [int(str(r["id"])) for r in rows]
     by_key: dict[tuple[str, str], int] = {}
@@ -153,13 +154,8 @@ def copy_steps(
                                                                       "jobs_table": table})
     clock: datetime = reserved[0]["now"]
     ids: list[int] = reserved[0]["ids"]
-    try:
+    with _size_backstop():
         yield Copy(qualified("jobs", "copy_in", schema), _COPY_TYPES, _rows(jobs, ids, clock))
-    except psycopg.errors.CheckViolation as exc:
-        refused = _refused(exc)
-        if refused is not None:
-            raise refused from None
-        raise
     return ids
 
 
