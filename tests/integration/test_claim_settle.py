@@ -106,10 +106,12 @@ def test_claim_returns_none_when_nothing_is_runnable(queue: Queue, conn: Conn, t
 
 def test_a_claim_abandoned_before_its_commit_keeps_nothing(queue: Queue, db: Database, conn: Conn,
                                                            t0: datetime) -> None:
-    # a stopping worker's claim in flight: the jobs, the lease and the
-    # round robin's cursor and deficits are as if it never ran
+    # a stopping worker's pick in flight: asked before the decision commits,
+    # the jobs, the lease and the round robin's cursor and deficits are as
+    # if it never ran
     ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"}] * 3, now=t0)
     before = fetch_all(db, "SELECT * FROM scheduler ORDER BY priority")
+    deficits = fetch_all(db, "SELECT tenant_id, priority, deficit FROM queues ORDER BY 1, 2")
     asked: list[bool] = []
 
     def stopping() -> bool:
@@ -117,12 +119,38 @@ def test_a_claim_abandoned_before_its_commit_keeps_nothing(queue: Queue, db: Dat
         return True
 
     assert claim_next(conn, _request(), "default", now=at(t0, 1), abandon=stopping) is None
-    assert asked, "the stop was asked after the rows were locked"
+    assert asked, "the stop was asked"
     assert [r["status"] for r in _rows(db, ids)] == ["pending"] * 3
     assert [r["attempts"] for r in _rows(db, ids)] == [0] * 3
     assert fetch_one(db, "SELECT count(*) AS n FROM batches")["n"] == 0
     assert fetch_all(db, "SELECT * FROM scheduler ORDER BY priority") == before
+    assert fetch_all(db, "SELECT tenant_id, priority, deficit FROM queues ORDER BY 1, 2") == deficits
     # and the next claim, not stopping, takes them on their first attempt
+    assert all(j.attempt == 1 for j in _claim(conn, at(t0, 2)).jobs)
+
+
+def test_a_claim_abandoned_after_its_rows_are_locked_keeps_no_job_and_no_charge(
+        queue: Queue, db: Database, conn: Conn, t0: datetime) -> None:
+    # the stop arrives between the decision's commit and the claim's: the
+    # jobs stay pending at attempt 0, no batch is left, the queue's deficit
+    # is repaid; only the cursor has moved (claim_next's docstring)
+    ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"}] * 3, now=t0)
+    deficits = fetch_all(db, "SELECT tenant_id, priority, deficit FROM queues ORDER BY 1, 2")
+    answers = iter([False, True])
+    asked: list[bool] = []
+
+    def stopping() -> bool:
+        asked.append(True)
+        return next(answers)
+
+    assert claim_next(conn, _request(), "default", now=at(t0, 1), abandon=stopping) is None
+    assert len(asked) == 2, "asked before the decision's commit and after the rows were locked"
+    assert [r["status"] for r in _rows(db, ids)] == ["pending"] * 3
+    assert [r["attempts"] for r in _rows(db, ids)] == [0] * 3
+    assert fetch_one(db, "SELECT count(*) AS n FROM batches")["n"] == 0
+    assert fetch_all(db, "SELECT tenant_id, priority, deficit FROM queues ORDER BY 1, 2") == deficits
+    cursor = fetch_one(db, "SELECT cursor_tenant FROM scheduler WHERE priority = 'default'")
+    assert cursor["cursor_tenant"] == "acme"
     assert all(j.attempt == 1 for j in _claim(conn, at(t0, 2)).jobs)
 
 

@@ -1,9 +1,10 @@
-"""Pick a queue by deficit round robin and lease a batch of its jobs, in
-one transaction.
+"""Pick a queue by deficit round robin, then lease a batch of its jobs.
 
-The cursor row of the priority class is locked FOR UPDATE first, so
-dispatchers on any number of hosts take turns on one shared schedule, and
-the deficits and cursor they write commit together with the claim. The
+The cursor row of the priority class is locked FOR UPDATE for the decision
+only, so dispatchers on any number of hosts take turns on one shared
+schedule: each decision reads the cursor the previous one committed, and
+charges the queue it chose before it lets go. The claim runs after that
+commit, without the lock, and repays what it did not get (claim_next). The
 work per pick is bounded: at most 2 * PROBE_LIMIT candidate queues, read
 through the partial index of queues with work, whatever the backlog or the
 number of idle tenants.
@@ -19,6 +20,7 @@ so the next pick does not probe it again.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -47,7 +49,8 @@ class PickNotes:
     next_token_in: float | None = None
     # The last pick's wait for its class's cursor lock (from BEGIN until the
     # locked row arrived, one round trip included) and how long it then held
-    # the lock (until its COMMIT returned), in seconds. Every pick of the
+    # the lock (until its decision's COMMIT returned), in seconds, summed over
+    # the decisions of one claim_next. Every pick of the
     # fleet takes that lock in turn, so 1 / lock_held is the picks per second
     # one class allows (docs/benchmarks.md, "Many workers").
     lock_wait: float = 0.0
@@ -58,15 +61,15 @@ class PickNotes:
 
 
 class _LockClock:
-    """Times a pick's cursor lock into its PickNotes. Entered before the
-    pick's transaction and left after it, so the hold ends with the COMMIT."""
+    """Adds a decision's cursor lock times to its PickNotes. Entered before
+    the decision's transaction and left after it, so the hold ends with the
+    COMMIT."""
 
     def __init__(self, notes: PickNotes) -> None:
         self.notes = notes
         self.started = self.locked = 0.0
 
     def __enter__(self) -> _LockClock:
-        self.notes.lock_wait = self.notes.lock_held = 0.0
         self.started, self.locked = time.perf_counter(), 0.0
         return self
 
@@ -75,8 +78,8 @@ class _LockClock:
 
     def __exit__(self, *exc: object) -> None:
         if self.locked:
-            self.notes.lock_wait = self.locked - self.started
-            self.notes.lock_held = time.perf_counter() - self.locked
+            self.notes.lock_wait += self.locked - self.started
+            self.notes.lock_held += time.perf_counter() - self.locked
 
 
 @dataclass(frozen=True)
@@ -97,27 +100,92 @@ class ClaimRequest:
         return float(self.batch_size) if self.fair_by is drr.Mode.JOBS else self.quantum_seconds
 
 
+# Decisions one claim_next may take when the claims that follow them find
+# nothing. Each decision passes over the queues this claim_next already
+# tried, as one pick visited each queue at most once when it claimed under
+# the lock, so this bound is only a backstop.
+MAX_DECISIONS = 2 * PROBE_LIMIT
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """Which queue a pick serves and what it charged it, committed under the
+    cursor lock before any job is claimed."""
+
+    tenant_id: str
+    max_jobs: int
+    # what the decision added to the queue's deficit (credit minus the charge
+    # for max_jobs): a claim that takes nothing gives exactly this back
+    delta: float
+    # cost units per job charged: 1 (jobs mode) or the estimate (runtime)
+    unit: float
+    written: float
+    rate_limited: bool
+    capped: bool
+    pending_kinds: list[str] | None
+    egress: tuple[str, ...]
+    host_functions: tuple[str, ...] | None
+
+
 def claim_next(
     conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None,
     notes: PickNotes | None = None, abandon: Callable[[], bool] | None = None,
 ) -> Batch | None:
     """Lease the next batch of `priority` work, or None if there is none.
 
-    `abandon` is asked after the batch's rows are locked and before the
-    commit: if it says yes the whole pick rolls back (None). A stopping
-    worker uses it, so a claim that began before the stop cannot take the
-    jobs a stopping batch has just released: any claim that sees those rows
-    read them after the stop, so it also sees the stop."""
+    A pick is two transactions. The decision (`_decide`) locks the class's
+    cursor row, reads the candidates, runs DRR, charges the chosen queue for
+    a full batch and moves the cursor, and commits: the lock is held for one
+    round trip and the Python between, not for the claim. The claim
+    (`_lease`) then leases the rows without the lock and gives back what it
+    was charged and did not get (`queues.sql` `add_to_deficits`: deficits
+    are only ever added to, so the decisions and repayments of many workers
+    commute). A claim that finds nothing, or finds its tenant at its cap or
+    out of tokens, is repaid in full and the next decision is taken.
+
+    `abandon` is asked before the decision commits and again after the
+    batch's rows are locked and before the claim commits: if it says yes
+    the pick keeps nothing (None) but, in the second case, the cursor's
+    move. A stopping worker uses it, so a claim that began before the stop
+    cannot take the jobs a stopping batch has just released: any claim that
+    sees those rows read them after the stop, so it also sees the stop.
+
+    A dispatcher that dies between the two transactions costs its tenant one
+    turn's credit, never a job (the decision holds no lease).
+    """
     notes = notes if notes is not None else PickNotes()
-    leased: tuple[str, list[jobs.Row], tuple[str, ...], tuple[str, ...] | None] | None = None
-    # Pipelined: BEGIN, the cursor lock and the candidate read go out in one
-    # round trip; the claim is a second; the writes and COMMIT a third. The
-    # cursor lock is held until that commit, so every other pick of the class
-    # waits for it: only what decides the schedule happens inside; the
-    # batch's jobs are built from the leased rows after the commit.
+    notes.lock_wait = notes.lock_held = 0.0
+    kinds = None if request.kinds is None else list(request.kinds)
+    tried: set[str] = set()
+    for _ in range(MAX_DECISIONS):
+        decision = _decide(conn, request, priority, kinds, now, notes, abandon, tried)
+        if decision is None:
+            return None
+        tried.add(decision.tenant_id)
+        leased = _lease(conn, request, priority, decision, kinds, now, notes, abandon)
+        if not isinstance(leased, _Retry):
+            return leased
+    return None
+
+
+class _Retry:
+    """_lease claimed nothing and repaid the charge: decide again."""
+
+
+def _no_token(tokens: float | None) -> bool:
+    return tokens is not None and tokens < 1
+
+
+def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[str] | None,
+            now: datetime | None, notes: PickNotes, abandon: Callable[[], bool] | None,
+            tried: set[str]) -> _Decision | None:
+    """The decision, under the class's cursor lock (see claim_next); the
+    queues in `tried` are passed over, neither credited nor charged.
+    Pipelined: BEGIN, the commit mode, the cursor lock and the candidate read
+    go out in one round trip; the writes and the COMMIT in a second."""
     with _LockClock(notes) as clock, conn.pipeline(), conn.transaction():
+        conn.execute(sql("scheduler", "decide_quickly"))
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
-        kinds = None if request.kinds is None else list(request.kinds)
         found = conn.execute(composed("queues", "candidates", rate_columns="rate_columns"),
                              {"priority": priority, "limit": PROBE_LIMIT, "kinds": kinds, "now": now})
         row = locked.fetchone()
@@ -127,103 +195,134 @@ def claim_next(
         rows = found.fetchall()
         if rows and not turn_open and rows[0]["tenant_id"] == cursor:
             rows.append(rows.pop(0))  # its turn is over: it goes last this round
+        read = {str(r["tenant_id"]): drr.safe_deficit(r["deficit"]) for r in rows}
+        tokens_of: dict[str, float | None] = {}
+        for r in rows:
+            tokens = None if r["rate_tokens"] is None else float(str(r["rate_tokens"]))
+            tokens_of[str(r["tenant_id"])] = tokens
+            if _no_token(tokens):
+                assert tokens is not None
+                notes.token_in(rates.refill_seconds(tokens, float(str(r["rate_per_second"]))))
         candidates = [
             drr.Candidate(
                 tenant_id=str(r["tenant_id"]),
                 weight=int(str(r["weight"])),
                 # never trusted to be a usable number (see drr.safe_deficit)
-                deficit=drr.safe_deficit(r["deficit"]),
+                deficit=read[str(r["tenant_id"])],
                 # a tenant at its cap, or with no token left, is passed over:
                 # no credit, no charge, nobody waits for it
-                at_cap=_at_cap_hint(r) or (r["rate_tokens"] is not None and float(str(r["rate_tokens"])) < 1),
+                at_cap=(_at_cap_hint(r) or _no_token(tokens_of[str(r["tenant_id"])])
+                        or str(r["tenant_id"]) in tried),
             )
             for r in rows
         ]
-        pending_kinds = {str(r["tenant_id"]): None if r["kinds"] is None else [str(k) for k in r["kinds"]]  # type: ignore[attr-defined]
-                         for r in rows}
-        rate_limited = {str(r["tenant_id"]) for r in rows
-                        if r["rate_tokens"] is not None or r["kind_limited"]}
-        for r in rows:
-            tokens = r["rate_tokens"]
-            if tokens is not None and float(str(tokens)) < 1:
-                notes.token_in(rates.refill_seconds(float(str(tokens)), float(str(r["rate_per_second"]))))
-        capped = {str(r["tenant_id"]) for r in rows if r["max_sandboxes"] is not None}
-        egress_of = {str(r["tenant_id"]): tuple(str(e) for e in (r["egress"] or ())) for r in rows}  # type: ignore[attr-defined]
-        host_functions_of = {str(r["tenant_id"]): None if r["host_functions"] is None
-                             else tuple(str(f) for f in r["host_functions"])  # type: ignore[attr-defined]
-                             for r in rows}
-        # runtime mode: until a queue has history, assume a batch costs one quantum
-        default_est = request.quantum_seconds / max(1, request.batch_size)
-        estimates = {str(r["tenant_id"]): drr.estimate(r["avg_job_seconds"], default=default_est)
-                     for r in rows}
         visits = drr.plan(candidates, cursor=cursor, turn_open=turn_open, mode=request.fair_by,
                           quantum=request.quantum, batch_size=request.batch_size)
         walked_past: dict[str, float] = {}
-        for visit in visits:
-            if not visit.eligible:
-                walked_past[visit.tenant_id] = visit.deficit  # runtime debt shrinks by one quantum
-                continue
-            limits = None
-            if visit.tenant_id in rate_limited:
-                # under the buckets' row locks until commit (rates.py)
-                limits = rates.for_claim(conn, visit.tenant_id, kinds, now=now,
-                                         pending_kinds=pending_kinds.get(visit.tenant_id))
-                if limits.refill_in is not None:
-                    notes.token_in(limits.refill_in)
-                if limits.tenant is not None and limits.tenant < 1:
-                    continue
-            if visit.tenant_id in capped and _at_cap(conn, visit.tenant_id, now):
-                continue
-            rows = jobs.claim_rows(
-                conn,
-                tenant_id=visit.tenant_id,
-                priority=priority,
-                limit=visit.max_jobs if limits is None or limits.tenant is None
-                else min(visit.max_jobs, limits.tenant),
-                worker_id=request.worker_id,
-                driver=request.driver,
-                lease_seconds=request.lease_seconds,
-                kinds=request.kinds,
-                quotas=None if limits is None else limits.kinds,
-                now=now,
-            )
-            if not rows:
-                if limits is not None and limits.exhausted:
-                    continue  # its runnable kinds may all be out of tokens: the hint stays
-                # nothing runnable of our kinds: no credit kept, nothing
-                # charged, and the hint is fixed so we do not come back
-                _settle_queue_hint(conn, visit.tenant_id, priority, now)
-                continue
+        visit = next((v for v in visits if v.eligible), None)
+        for v in visits:
+            if v is visit:
+                break
+            walked_past[v.tenant_id] = v.deficit - read[v.tenant_id]  # runtime debt shrinks by one quantum
+        if visit is None:
+            if walked_past:
+                add_to_deficits(conn, priority, walked_past)
+            return None
+        r = next(r for r in rows if str(r["tenant_id"]) == visit.tenant_id)
+        max_jobs = visit.max_jobs
+        tokens = tokens_of[visit.tenant_id]
+        # runtime mode: until a queue has history, assume a batch costs one quantum
+        est = drr.estimate(r["avg_job_seconds"], default=request.quantum_seconds / max(1, request.batch_size))
+        deficit, keep_turn = drr.charge(visit, claimed=max_jobs, mode=request.fair_by, est_job_cost=est)
+        if tokens is not None and math.floor(tokens + 1e-9) < max_jobs:
+            # bounded by its tokens, not its credit: the turn ends (tenants
+            # sharing a kind's limit take turns) and no credit is banked (it
+            # would let the tenant run ahead of others once unlimited)
+            max_jobs = max(1, math.floor(tokens + 1e-9))
+            deficit, keep_turn = drr.charge(visit, claimed=max_jobs, mode=request.fair_by, est_job_cost=est)
+            deficit, keep_turn = min(deficit, 0.0), False
+        if abandon is not None and abandon():
+            raise psycopg.Rollback()  # the transaction's exit: nothing of it is kept
+        delta = deficit - read[visit.tenant_id]
+        add_to_deficits(conn, priority, {**walked_past, visit.tenant_id: delta})
+        conn.execute(sql("scheduler", "advance_cursor"),
+                     {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
+        return _Decision(
+            tenant_id=visit.tenant_id, max_jobs=max_jobs, delta=delta, written=deficit,
+            unit=1.0 if request.fair_by is drr.Mode.JOBS else est,
+            rate_limited=tokens is not None or bool(r["kind_limited"]),
+            capped=r["max_sandboxes"] is not None,
+            pending_kinds=None if r["kinds"] is None else [str(k) for k in r["kinds"]],  # type: ignore[attr-defined]
+            egress=tuple(str(e) for e in (r["egress"] or ())),  # type: ignore[attr-defined]
+            host_functions=None if r["host_functions"] is None
+            else tuple(str(f) for f in r["host_functions"]),  # type: ignore[attr-defined]
+        )
+    return None  # rolled back: abandoned
+
+
+def _lease(conn: Conn, request: ClaimRequest, priority: Priority, decision: _Decision,
+           kinds: list[str] | None, now: datetime | None, notes: PickNotes,
+           abandon: Callable[[], bool] | None) -> Batch | _Retry | None:
+    """The claim of a decision, without the cursor lock: the batch, None
+    (abandoned), or _Retry (nothing claimed; the charge is repaid)."""
+    tenant_id = decision.tenant_id
+    rows: list[jobs.Row] = []
+    abandoned = False
+    # Pipelined: BEGIN and the claim in one round trip (two when the
+    # tenant's buckets or cap are read first, under their row locks until
+    # commit), the writes and the COMMIT in another.
+    with conn.pipeline(), conn.transaction():
+        limits = None
+        limit = decision.max_jobs
+        if decision.rate_limited:
+            # under the buckets' row locks until commit (rates.py)
+            limits = rates.for_claim(conn, tenant_id, kinds, now=now, pending_kinds=decision.pending_kinds)
+            if limits.refill_in is not None:
+                notes.token_in(limits.refill_in)
+            if limits.tenant is not None:
+                limit = min(limit, limits.tenant)
+        refused = limit < 1 or (decision.capped and _at_cap(conn, tenant_id, now))
+        if not refused:
+            rows = jobs.claim_rows(conn, tenant_id=tenant_id, priority=priority, limit=limit,
+                                   worker_id=request.worker_id, driver=request.driver,
+                                   lease_seconds=request.lease_seconds, kinds=request.kinds,
+                                   quotas=None if limits is None else limits.kinds, now=now)
+        if rows and abandon is not None and abandon():
+            abandoned = True
+            raise psycopg.Rollback()
+        if rows:
             if limits is not None:
                 rates.take(conn, limits, Counter(str(r["kind"]) for r in rows), now=now)
-            batch_id = int(str(rows[0]["batch_id"]))
-            est = estimates[visit.tenant_id]
-            deficit, keep_turn = drr.charge(visit, claimed=len(rows), mode=request.fair_by,
-                                            est_job_cost=est)
-            if limits is not None and len(rows) < visit.max_jobs:
-                # bounded by its tokens, not its credit: the turn ends (tenants
-                # sharing a kind's limit take turns) and no credit is banked
-                # (it would let the tenant run ahead of others once unlimited)
-                deficit, keep_turn = min(deficit, 0.0), False
-            _set_deficits(conn, priority, {**walked_past, visit.tenant_id: deficit})
             if request.fair_by is drr.Mode.RUNTIME:
-                conn.execute(sql("batches", "set_charged"),
-                             {"batch_id": batch_id, "seconds": est * len(rows)})
-            conn.execute(sql("scheduler", "advance_cursor"),
-                         {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
-            if abandon is not None and abandon():
-                raise psycopg.Rollback()  # nothing of this pick is kept
-            leased = (visit.tenant_id, rows, egress_of[visit.tenant_id], host_functions_of[visit.tenant_id])
-            break
+                conn.execute(sql("batches", "set_charged"), {"batch_id": int(str(rows[0]["batch_id"])),
+                                                             "seconds": decision.unit * len(rows)})
         else:
-            if walked_past:
-                _set_deficits(conn, priority, walked_past)
-    if leased is None:
+            # nothing claimed: no credit kept, nothing charged
+            add_to_deficits(conn, priority, {tenant_id: -decision.delta})
+            if not refused and not (limits is not None and limits.exhausted):
+                # nothing runnable of our kinds: the hint is fixed so that the
+                # next decision does not come back (its kinds may all be out
+                # of tokens instead: then the hint stays)
+                _settle_queue_hint(conn, tenant_id, priority, now)
+    if abandoned:
+        with conn.transaction():
+            add_to_deficits(conn, priority, {tenant_id: -decision.delta})
         return None
-    tenant_id, rows, egress, host_functions = leased
+    if not rows:
+        return _Retry()
+    if len(rows) < decision.max_jobs and (decision.written > 0 or request.fair_by is drr.Mode.RUNTIME):
+        # fewer than charged for: the queue ran dry (or out of tokens). A dry
+        # queue keeps no credit; what it was charged beyond its jobs is given
+        # back, up to 0. After the commit, in its own statement: the claim
+        # locks jobs before this would lock the queue row, and an enqueue
+        # locks them the other way round.
+        with conn.transaction():
+            add_to_deficits(conn, priority, {tenant_id: decision.unit * (decision.max_jobs - len(rows))},
+                             ceiling=0.0)
     # the tenant's egress rules and host-function restriction travel with
     # the batch to its sandbox
-    return replace(jobs.batch_of(tenant_id, priority, rows), egress=egress, host_functions=host_functions)
+    return replace(jobs.batch_of(tenant_id, priority, rows), egress=decision.egress,
+                   host_functions=decision.host_functions)
 
 
 def _at_cap_hint(row: dict[str, object]) -> bool:
@@ -242,9 +341,14 @@ def _at_cap(conn: Conn, tenant_id: str, now: datetime | None) -> bool:
     return int(str(live["live"])) >= int(str(row["max_sandboxes"]))
 
 
-def _set_deficits(conn: Conn, priority: Priority, deficits: dict[str, float]) -> None:
-    conn.execute(sql("queues", "set_deficits"), {
-        "priority": priority, "tenant_ids": list(deficits), "deficits": list(deficits.values()),
+def add_to_deficits(conn: Conn, priority: Priority, deltas: dict[str, float], *,
+                    ceiling: float = drr.MAX_CREDIT) -> None:
+    """Add to queues' deficits (queues.sql `add_to_deficits`), at most
+    `ceiling`; a delta that is not a finite number adds nothing (it would
+    compare above every number in SQL and land at the bound)."""
+    conn.execute(sql("queues", "add_to_deficits"), {
+        "priority": priority, "tenant_ids": list(deltas),
+        "deltas": [drr.finite_or_none(d) or 0.0 for d in deltas.values()], "ceiling": ceiling,
     })
 
 

@@ -103,9 +103,9 @@ def claim_rows(
     now: datetime | None = None,
 ) -> list[Row]:
     """`claim`'s rows as the statement returns them (empty: nothing
-    leased). The picker holds the class's cursor lock until its commit, so
-    it builds the batch (`batch_of`) after the commit, not under the lock:
-    decoding 500 payloads there made every other pick wait ~8 ms more."""
+    leased). The picker builds the batch (`batch_of`) after the claim's
+    commit: the claim's row locks are held until then, and decoding 500
+    payloads inside its transaction would hold them ~8 ms longer."""
     params: dict[str, Any] = {
         "tenant_id": tenant_id,
         "priority": priority,

@@ -94,7 +94,14 @@ UNION ALL
         OR q.kinds_due <= coalesce(%(now)s::timestamptz, now()))
  ORDER BY q.tenant_id LIMIT %(limit)s);
 
--- name: set_deficits
+-- name: add_to_deficits
+-- Adds `deltas` to the queues' deficits, never sets them: picks decide
+-- under the class's cursor lock but claim, repay and settle outside it
+-- (fairness/picker.py), so two writers of one queue's deficit may overlap
+-- and an absolute write would lose the other's change. Bounded as `charge`
+-- bounds (1e12 = MAX_CREDIT), then at most %(ceiling)s: a claim that got
+-- fewer jobs than it was charged for found its queue dry, and a dry queue
+-- keeps no credit (ceiling 0); 1e12 otherwise.
 -- Lock order: the rows are locked in tenant order first (LockRows above
 -- the sort), as enqueues lock them (jobs.sql `insert`); an UPDATE ... FROM
 -- alone locks them in whatever order its join produces, and an enqueue of
@@ -107,8 +114,9 @@ WITH ordered AS (
     FOR NO KEY UPDATE
 )
 UPDATE queues q
-SET deficit = d.deficit
-FROM unnest(%(tenant_ids)s::text[], %(deficits)s::double precision[]) AS d(tenant_id, deficit), ordered o
+SET deficit = least(%(ceiling)s::float8, greatest(-1e12::float8, least(1e12::float8,
+        greatest(-1e12::float8, least(1e12::float8, q.deficit)) + d.delta)))
+FROM unnest(%(tenant_ids)s::text[], %(deltas)s::double precision[]) AS d(tenant_id, delta), ordered o
 WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s AND o.tenant_id = d.tenant_id;
 
 -- name: charge
