@@ -155,3 +155,21 @@ def test_deficits_are_only_added_to_bounded_and_capped(db: Database, queue: Queu
             assert _deficit(db, "acme") == MAX_CREDIT
         add(-3e12)
         assert _deficit(db, "acme") == -MAX_CREDIT
+
+
+def test_the_decisions_commit_mode_never_leaks_into_a_callers_transaction(queue: Queue, db: Database,
+                                                                          t0: datetime) -> None:
+    # the decision commits without waiting for the WAL flush only when it is
+    # a transaction of its own; inside a caller's (a savepoint) the caller's
+    # commit must stay synchronous, and on its own the setting ends with it
+    queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"}] * 2, now=t0)
+
+    def mode(c: Conn) -> str:
+        return str(c.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"])  # type: ignore[index]
+
+    with db.connect() as c:
+        with c.transaction():
+            assert claim_next(c, _request(batch_size=1), "default", now=t0 + timedelta(seconds=1)) is not None
+            assert mode(c) == "on"
+        assert claim_next(c, _request(batch_size=1), "default", now=t0 + timedelta(seconds=1)) is not None
+        assert mode(c) == "on"

@@ -183,8 +183,12 @@ def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[s
     queues in `tried` are passed over, neither credited nor charged.
     Pipelined: BEGIN, the commit mode, the cursor lock and the candidate read
     go out in one round trip; the writes and the COMMIT in a second."""
+    # inside a caller's transaction (a savepoint) the commit mode would
+    # outlive the decision and apply to the caller's own commit: not there
+    own_transaction = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     with _LockClock(notes) as clock, conn.pipeline(), conn.transaction():
-        conn.execute(sql("scheduler", "decide_quickly"))
+        if own_transaction:
+            conn.execute(sql("scheduler", "decide_quickly"))
         locked = conn.execute(sql("scheduler", "lock_cursor"), {"priority": priority})
         found = conn.execute(composed("queues", "candidates", rate_columns="rate_columns"),
                              {"priority": priority, "limit": PROBE_LIMIT, "kinds": kinds, "now": now})
