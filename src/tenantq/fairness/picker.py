@@ -119,6 +119,8 @@ class _Decision:
     delta: float
     # cost units per job charged: 1 (jobs mode) or the estimate (runtime)
     unit: float
+    # the deficit the decision computed: in jobs mode a short claim has
+    # something to give back only when it is above 0 (a dry queue keeps none)
     written: float
     rate_limited: bool
     capped: bool
