@@ -239,13 +239,16 @@ def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[s
         tokens = tokens_of[visit.tenant_id]
         # runtime mode: until a queue has history, assume a batch costs one quantum
         est = drr.estimate(r["avg_job_seconds"], default=request.quantum_seconds / max(1, request.batch_size))
+        # a tenant without a whole token was passed over (at_cap above)
+        by_tokens = tokens is not None and math.floor(tokens + 1e-9) < max_jobs
+        if by_tokens:
+            assert tokens is not None
+            max_jobs = math.floor(tokens + 1e-9)
         deficit, keep_turn = drr.charge(visit, claimed=max_jobs, mode=request.fair_by, est_job_cost=est)
-        if tokens is not None and math.floor(tokens + 1e-9) < max_jobs:
+        if by_tokens:
             # bounded by its tokens, not its credit: the turn ends (tenants
             # sharing a kind's limit take turns) and no credit is banked (it
             # would let the tenant run ahead of others once unlimited)
-            max_jobs = max(1, math.floor(tokens + 1e-9))
-            deficit, keep_turn = drr.charge(visit, claimed=max_jobs, mode=request.fair_by, est_job_cost=est)
             deficit, keep_turn = min(deficit, 0.0), False
         if abandon is not None and abandon():
             raise psycopg.Rollback()  # the transaction's exit: nothing of it is kept
