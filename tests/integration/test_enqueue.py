@@ -7,6 +7,7 @@ import math
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 import tenantq
@@ -165,17 +166,37 @@ def test_bad_input_is_rejected_and_writes_nothing(
     assert table_counts(db) == before
 
 
+@pytest.mark.parametrize("size", [5, enqueue.COPY_AT + 500], ids=["one-statement", "copy"])
 @pytest.mark.parametrize(("overrides", "message"), BAD_INPUTS)
 def test_one_bad_job_rejects_the_whole_enqueue_many(
-    queue: Queue, db: Database, overrides: dict[str, Any], message: str
+    queue: Queue, db: Database, overrides: dict[str, Any], message: str, size: int
 ) -> None:
+    """On the COPY path a bad payload is found while the rows are being
+    written: the COPY is aborted and nothing stays, tenants and queues
+    included, as when it is found before the first statement."""
     before = table_counts(db)
-    jobs = [_job(payload={"i": i}) for i in range(3)] + [_job(**overrides)] + [_job(payload={"i": 9})]
-    with pytest.raises(tenantq.InvalidInput) as info:
+    bad = size - 2
+    jobs = [_job(payload={"i": i}) for i in range(bad)] + [_job(**overrides)] + [_job(payload={"i": 9})]
+    with pytest.raises(tenantq.InvalidInput, match=r"^[^\n]+$") as info:
         queue.enqueue_many(jobs)
-    assert str(info.value).startswith("job 3: ")
+    assert str(info.value).startswith(f"job {bad}: ")
     assert message in str(info.value)
     assert table_counts(db) == before
+
+
+def test_a_bad_bulk_job_on_the_callers_connection_begins_nothing(queue: Queue, db: Database) -> None:
+    """With conn=, every payload is checked before the first statement: a
+    bad one in a COPY-sized call leaves the caller's connection as it was
+    (no transaction begun and aborted under the caller)."""
+    jobs = [_job(payload={"i": i}) for i in range(enqueue.COPY_AT + 500)]
+    jobs[-1] = _job(payload=[1, 2])
+    with psycopg.connect(db.dsn) as conn:  # not autocommit, no transaction open
+        last = len(jobs) - 1
+        with pytest.raises(tenantq.InvalidInput, match=f"^job {last}: payload must be a JSON object"):
+            queue.enqueue_many(jobs, conn=conn)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+    assert table_counts(db)["jobs"] == 0
 
 
 def test_unknown_field_in_enqueue_many(queue: Queue, db: Database) -> None:
@@ -318,13 +339,18 @@ def test_a_bulk_enqueue_wakes_workers_once_it_commits(queue: Queue, db: Database
     assert batch is not None and [j.id for j in batch.jobs] == ids[:10]
 
 
-@pytest.mark.parametrize("write", [enqueue.insert_steps, enqueue.copy_steps], ids=["one-statement", "copy"])
+def _copy_steps(jobs: list[tuple[NewJob, str]], **kwargs: Any) -> Any:
+    bodies = [(text, job.meta_json) for job, text in jobs]
+    return enqueue.copy_steps([job for job, _ in jobs], bodies, **kwargs)
+
+
+@pytest.mark.parametrize("write", [enqueue.insert_steps, _copy_steps], ids=["one-statement", "copy"])
 def test_the_size_check_backstop_is_one_line_on_both_paths(db: Database, write: Any) -> None:
     """Validation measures sizes as Postgres renders them, so the jobs'
     CHECKs are a backstop no valid call reaches; fed a job past it
     directly, both paths answer InvalidInput in one line and write nothing."""
-    good = [(NewJob("acme", "demo.noop", {}), "{}") for _ in range(5)]
-    huge = (NewJob("acme", "demo.noop", {}), '{"k": "' + "x" * MAX_PAYLOAD_BYTES + '"}')
+    good = [(NewJob("acme", "demo.noop"), "{}") for _ in range(5)]
+    huge = (NewJob("acme", "demo.noop"), '{"k": "' + "x" * MAX_PAYLOAD_BYTES + '"}')
     with db.connect() as conn, pytest.raises(tenantq.InvalidInput, match=r"^payload is over 262144 bytes"):
         run(conn, write([*good, huge], schema=db.schema, channel=db.notify_channel), atomic=True)
     assert table_counts(db)["jobs"] == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -84,6 +84,16 @@ def _retention(value: object, what: str) -> float | None:
         raise InvalidInput(f"{exc} (or default: the workers' TENANTQ_RETAIN_* setting)") from None
 
 
+def _bodies(specs: list[Any]) -> Iterator[enqueue.Body]:
+    """The jobs' payloads and metas, checked one at a time as they are read."""
+    for index, spec in enumerate(specs):
+        try:
+            fields = spec if isinstance(spec, Mapping) else spec.__dict__  # as enqueue_many reads them
+            yield validation.job_body(fields.get("payload"), fields.get("meta"))
+        except InvalidInput as exc:
+            raise InvalidInput(f"job {index}: {exc}") from None
+
+
 class Operations:
     """The methods; see `tenantq.Queue` for the class users construct."""
 
@@ -126,12 +136,16 @@ class Operations:
     ) -> Steps[list[int]]:
         """Add many jobs in one statement; ids come back in input order.
 
-        Every job is validated first; one bad job rejects the whole call and
+        Every job is validated; one bad job rejects the whole call and
         nothing is written. `conn`: as for `enqueue` (the jobs are written
-        in a savepoint of your transaction). From 1,000 jobs without
-        idempotency keys they are written with COPY (store/enqueue.py).
+        in a savepoint of your transaction, and every job is validated
+        before the first statement, so a bad one never touches it). From
+        1,000 jobs without idempotency keys they are written with COPY, and
+        on tenantq's own connection their payloads are checked as the rows
+        are written (store/enqueue.py).
         """
-        validated: list[tuple[NewJob, str]] = []
+        specs = list(specs)  # read twice: the fields now, the bodies as they are written
+        envelopes: list[NewJob] = []
         for index, spec in enumerate(specs):
             fields = spec if isinstance(spec, Mapping) else spec.__dict__
             # (a JobSpec itself has no other fields)
@@ -139,16 +153,18 @@ class Operations:
             if unknown:
                 raise InvalidInput(f"job {index}: unknown field(s) {', '.join(sorted(map(str, unknown)))}")
             try:
-                validated.append(validation.new_job(
-                    fields.get("tenant"), fields.get("kind"), fields.get("payload"),
+                envelopes.append(validation.job_envelope(
+                    fields.get("tenant"), fields.get("kind"),
                     priority_=fields.get("priority", "default"),
                     max_attempts_=fields.get("max_attempts", 5),
-                    delay_=fields.get("delay", 0.0), key=fields.get("key"),
-                    actor_=fields.get("actor"), meta=fields.get("meta"),
+                    delay_=fields.get("delay", 0.0), key=fields.get("key"), actor_=fields.get("actor"),
                 ))
             except InvalidInput as exc:
                 raise InvalidInput(f"job {index}: {exc}") from None
-        return (yield from enqueue.enqueue_steps(validated, schema=self.db.schema,
+        bodies: Iterable[enqueue.Body] = _bodies(specs)
+        if conn is not None:
+            bodies = list(bodies)
+        return (yield from enqueue.enqueue_steps(envelopes, bodies, schema=self.db.schema,
                                                  channel=self.db.notify_channel, now=now))
 
     @operation

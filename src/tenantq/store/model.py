@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Priority = Literal["interactive", "default", "bulk"]
 PRIORITIES: tuple[Priority, ...] = ("interactive", "default", "bulk")
 Status = Literal["pending", "running", "done", "dead", "cancelled"]
 
 
-@dataclass(frozen=True)
-class NewJob:
-    """A validated job, ready to insert."""
+class NewJob(NamedTuple):
+    """A validated job, ready to insert; its payload travels beside it as
+    the JSON text to store (validation.job_body). A named tuple, not a
+    frozen dataclass: a bulk enqueue makes one per job, and a tuple is
+    built in a quarter of the time."""
 
     tenant_id: str
     kind: str
-    payload: Any
     priority: Priority = "default"
     max_attempts: int = 5
     delay: float = 0.0

@@ -306,23 +306,47 @@ def new_job(
     meta: object = None,
 ) -> tuple[NewJob, str]:
     """Validate one job; returns it with its payload already serialised."""
-    if payload is None:  # no payload: {}, as the worker hands it to the handler
-        payload, text = {}, "{}"
-    else:
-        text = payload_json(payload)  # what could not be stored at all, first
-        payload_object(payload)
-    job = NewJob(
+    text, meta_text = job_body(payload, meta)  # what could not be stored at all, first
+    job = job_envelope(tenant, kind_, priority_=priority_, max_attempts_=max_attempts_, delay_=delay_,
+                       key=key, actor_=actor_, meta_json=meta_text)
+    return job, text
+
+
+def job_envelope(
+    tenant: object,
+    kind_: object,
+    *,
+    priority_: object = "default",
+    max_attempts_: object = 5,
+    delay_: object = 0,
+    key: object = None,
+    actor_: object = None,
+    meta_json: str | None = None,
+) -> NewJob:
+    """Every field of a job but its body (payload and meta, `job_body`),
+    validated. A bulk enqueue checks these for every job before it writes
+    anything, and the bodies as it writes them (store/enqueue.py)."""
+    return NewJob(
         tenant_id=tenant_id(tenant),
         kind=kind(kind_),
-        payload=payload,
         priority=priority(priority_),
         max_attempts=max_attempts(max_attempts_),
         delay=delay(delay_),
         key=idempotency_key(key),
         actor=actor(actor_),
-        meta_json=meta_json(meta),
+        meta_json=meta_json,
     )
-    return job, text
+
+
+def job_body(payload: Any, meta: object) -> tuple[str, str | None]:
+    """A job's payload (a JSON object; None is {}) and meta as the JSON text
+    Postgres will store, or InvalidInput."""
+    if payload is None:  # no payload: {}, as the worker hands it to the handler
+        text = "{}"
+    else:
+        text = payload_json(payload)
+        payload_object(payload)
+    return text, meta_json(meta)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
