@@ -10,6 +10,7 @@ from bench import (
     boundary,
     chaos,
     egress,
+    enqueue_floor,
     fairness,
     host_connections,
     host_functions,
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "sandbox-api": sandbox_api.run,
     "host-functions": host_functions.run,
     "host-connections": host_connections.run,
+    "enqueue-floor": enqueue_floor.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False, "grid": False, "big": 300},
@@ -61,6 +63,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "host-functions": {"rounds": 2, "trivial_calls": 20, "select_calls": 10, "warmup": 2, "tenants": 2,
                        "rows_per_tenant": 150},
     "host-connections": {"batches": 6, "pool": 2, "quick": 2},
+    "enqueue-floor": {"n": 20, "rounds": 1},
 }
 
 
