@@ -23,6 +23,7 @@ from rich.table import Table
 
 import tenantq
 from bench.common import machine_info, save, scratch_schema, spawned, summarise
+from bench.peers.peerlib import server_cpu_meter
 from tenantq import JobSpec, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
@@ -43,6 +44,7 @@ PEER_GRIDS: dict[str, list[dict[str, int | None]]] = {
 # the table's figures (jobs/s)
 COLUMNS = {"enqueue_single": "enqueue, one call per job", "enqueue_many": "enqueue_many / bulk of {jobs:,}",
            "enqueue_big": "enqueue_many / bulk of {big:,}", "drain_inline": "drain"}
+CPU_COLUMNS = ("drain_cpu_client_us", "drain_cpu_server_us")
 # Procrastinate drains about 400 jobs/s here: its grid runs on fewer jobs
 GRID_JOBS = {"tenantq": 20_000, "pgqueuer": 20_000, "procrastinate": 4_000}
 
@@ -64,27 +66,35 @@ def _drain_process(dsn: str, schema: str, concurrency: int, batch_size: int, go:
                     WorkerConfig(concurrency=concurrency, batch_size=batch_size, once=True))
     ready.set()
     go.wait()
-    out.put(worker.run().done)
+    cpu0 = time.process_time()
+    done = worker.run().done
+    out.put((done, time.process_time() - cpu0))
 
 
-def _drain(db: Database, *, processes: int, concurrency: int, batch_size: int) -> tuple[float, int]:
+def _drain(db: Database, *, processes: int, concurrency: int,
+           batch_size: int) -> tuple[float, int, dict[str, float | None]]:
     """Seconds for `processes` worker processes (`--once`, fair scheduling
-    on) to drain the schema, timed from their common start; and jobs done."""
+    on) to drain the schema, timed from their common start; jobs done; and
+    the CPU seconds the workers and the server used meanwhile (the server's
+    measured as the peers' is: peerlib.server_cpu_meter)."""
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     args = (db.dsn, db.schema, concurrency, batch_size, go, out)
+    server_cpu = server_cpu_meter(db.dsn)
     with spawned(ctx, _drain_process, args, processes) as procs:
+        server0 = server_cpu() if server_cpu else 0.0
         t0 = time.perf_counter()
         go.set()
-        done = sum(out.get(timeout=600) for _ in procs)
+        ended = [out.get(timeout=600) for _ in procs]
         elapsed = time.perf_counter() - t0
+        server = server_cpu() - server0 if server_cpu else None
         for proc in procs:
             proc.join(60)
-    return elapsed, done
+    return elapsed, sum(e[0] for e in ended), {"client": sum(e[1] for e in ended), "server": server}
 
 
 def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concurrency: int,
-                 batch_size: int, big: int = 0) -> dict[str, float]:
+                 batch_size: int, big: int = 0) -> dict[str, float | None]:
     with scratch_schema() as db:
         q = Queue(db.dsn, schema=db.schema)
         t0 = time.perf_counter()
@@ -95,7 +105,7 @@ def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concur
         t0 = time.perf_counter()
         q.enqueue_many(specs)
         many_s = time.perf_counter() - t0
-        elapsed, done = _drain(db, processes=processes, concurrency=concurrency, batch_size=batch_size)
+        elapsed, done, cpu = _drain(db, processes=processes, concurrency=concurrency, batch_size=batch_size)
         assert done == jobs + single, f"drained {done} of {jobs + single}"
         big_s = 0.0
         if big:  # one call of a large import, after the drain (not drained)
@@ -105,7 +115,13 @@ def _tenantq_run(*, jobs: int, tenants: int, single: int, processes: int, concur
             big_s = time.perf_counter() - t0
         q.close()
     return {"enqueue_single": single / single_s if single else 0.0, "enqueue_many": jobs / many_s,
-            "drain_inline": (jobs + single) / elapsed, "enqueue_big": big / big_s if big else 0.0}
+            "drain_inline": (jobs + single) / elapsed, "enqueue_big": big / big_s if big else 0.0,
+            **_cpu_us(cpu, jobs + single)}
+
+
+def _cpu_us(cpu: dict[str, float | None], jobs: int) -> dict[str, float | None]:
+    """CPU per drained job in µs (None: the server's could not be read)."""
+    return {f"drain_cpu_{side}_us": None if used is None else used / jobs * 1e6 for side, used in cpu.items()}
 
 
 def peer_throughput(system: str, *, jobs: int, single: int, setting: dict[str, int | None],
@@ -164,21 +180,25 @@ def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: 
                 max(rows, key=lambda r: r["drain_per_s"])["setting"]
     results: dict[str, dict[str, Any]] = {}
     for name, setting in sorted(best.items(), key=lambda item: not item[0].startswith("tenantq")):
-        samples: dict[str, list[float]] = {key: [] for key in COLUMNS}
+        samples: dict[str, list[float | None]] = {key: [] for key in (*COLUMNS, *CPU_COLUMNS)}
         for _ in range(repeats):
             if name.startswith("tenantq"):
                 r = _tenantq_run(jobs=jobs, tenants=tenants, single=single, big=big, **setting)
             else:
                 peer = peer_throughput(name, jobs=jobs, single=single, setting=setting, big=big)
                 assert peer is not None
+                used = peer["drain_cpu_us"]
                 r = {"enqueue_single": peer["enqueue_single_per_s"],
                      "enqueue_many": peer["enqueue_bulk_per_s"],
                      "enqueue_big": peer["enqueue_big_bulk_per_s"] or 0.0,
-                     "drain_inline": peer["drain_per_s"]}
+                     "drain_inline": peer["drain_per_s"],
+                     "drain_cpu_client_us": used["client"], "drain_cpu_server_us": used["server"]}
             for key in samples:
                 samples[key].append(r[key])
-        results[name] = {"setting": setting, **{k: summarise(v) for k, v in samples.items()}}
+        results[name] = {"setting": setting, **{k: summarise([x for x in v if x is not None])
+                                                if None not in v else None for k, v in samples.items()}}
     _main_table(results, jobs=jobs, single=single, repeats=repeats, big=big)
+    _cpu_table(results, repeats=repeats)
     payload = {"benchmark": "throughput", "machine": info,
                "settings": {"jobs": jobs, "tenants": tenants, "single": single, "repeats": repeats,
                             "big": big, "grid_jobs": GRID_JOBS},
@@ -195,6 +215,19 @@ def _grid_table(searched: dict[str, list[dict[str, Any]]]) -> None:
     for system, rows in searched.items():
         for r in sorted(rows, key=lambda r: -r["drain_per_s"]):
             table.add_row(system, _label(r["setting"]), f"{r['drain_per_s']:,.0f}")
+    console.print(table)
+
+
+def _cpu_table(results: dict[str, dict[str, Any]], *, repeats: int) -> None:
+    table = Table(title=f"CPU per drained job, µs (median of {repeats}): the worker processes' own, "
+                        "the Postgres server's (all its processes)")
+    for label in ("system (setting)", "workers", "server", "both"):
+        table.add_column(label, justify="left" if label.startswith("system") else "right")
+    for name, r in results.items():
+        client, server = r["drain_cpu_client_us"]["median"], r["drain_cpu_server_us"]
+        table.add_row(f"{name} ({_label(r['setting'])})", f"{client:.1f}",
+                      *(("-", "-") if server is None else (f"{server['median']:.1f}",
+                                                            f"{client + server['median']:.1f}")))
     console.print(table)
 
 

@@ -32,6 +32,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -163,6 +164,39 @@ def scratch_database(dsn: str, system: str) -> Iterator[str]:
 
 
 # --- helpers -------------------------------------------------------------------------------------
+
+
+def server_cpu_meter(dsn: str) -> Callable[[], float] | None:
+    """A reading of the CPU seconds the Postgres server at `dsn` has used
+    (its postmaster, its live processes and the ones it has reaped: ended
+    backends count too), or None when the server is not on this machine or
+    its files or /proc cannot be read. Shared with tenantq's side
+    (bench/throughput.py), so both sides measure the server the same way."""
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SHOW data_directory").fetchone()
+        with open(f"{row[0] if row else ''}/postmaster.pid") as pid_file:
+            root = int(pid_file.readline())
+        os.kill(root, 0)
+    except (psycopg.Error, OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu_seconds(pid: int | str, *, reaped: bool) -> float:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0  # it ended between the listing and the read: its time moves to cutime
+        used = int(fields[11]) + int(fields[12])  # utime, stime
+        return (used + (int(fields[13]) + int(fields[14]) if reaped else 0)) / tick
+
+    def reading() -> float:
+        with open(f"/proc/{root}/task/{root}/children") as listing:
+            children = listing.read().split()
+        return cpu_seconds(root, reaped=True) + sum(cpu_seconds(c, reaped=False) for c in children)
+
+    return reading
 
 
 async def wait_or_fail(peer: Peer, event: asyncio.Event, timeout: float | None) -> bool:
@@ -300,6 +334,7 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
     single = [JobPayload(f"t{i % 10}", i) for i in range(a.single)]
     bulk = [JobPayload(f"t{i % 10}", a.single + i) for i in range(a.jobs)]
     await peer.open(dsn)
+    server_cpu = server_cpu_meter(dsn)
     helpers = Helpers(type(peer), dsn, a.processes - 1)
     try:
         t0 = time.perf_counter()
@@ -311,6 +346,8 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         bulk_s = time.perf_counter() - t0
         log.info("enqueue: %d single in %.2fs, %d bulk in %.2fs", a.single, single_s, a.jobs, bulk_s)
         await helpers.start()  # connected and waiting: their start-up is not timed
+        server0 = server_cpu() if server_cpu else 0.0
+        client0 = time.process_time()
         t0 = time.perf_counter()
         helpers.go.set()
         await peer.start_worker(noop, a.concurrency, "throughput")
@@ -327,6 +364,8 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
             await peer.stop_worker()
             await helpers.join()
         drain_s = time.perf_counter() - t0
+        client_s = time.process_time() - client0 + helpers.cpu_seconds()
+        server_s = server_cpu() - server0 if server_cpu else None
         completed = await peer.count_completed()
         log.info(
             "drain: %d handlers in %.2fs (%d in other processes), workers stopped at %.2fs, "
@@ -357,6 +396,9 @@ async def throughput(peer: Peer, dsn: str) -> dict[str, Any]:
         "drain_per_s": round(rate(total, drain_s), 1),
         "enqueue_big_bulk_per_s": round(rate(a.big_bulk, big_s), 1) if a.big_bulk else None,
         "drain_handlers_per_s": round(rate(total, handlers_s), 1),
+        # CPU per drained job, in µs: the worker processes' own and the server's
+        "drain_cpu_us": {"client": round(client_s / total * 1e6, 1),
+                         "server": None if server_s is None else round(server_s / total * 1e6, 1)},
         "jobs": total,
         "settings": peer.settings(),
     }
@@ -372,11 +414,12 @@ class Helpers:
     def __init__(self, peer_cls: type[Peer], dsn: str, n: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.counts = ctx.Array("q", max(n, 1), lock=False)
+        self.cpu = ctx.Array("d", max(n, 1), lock=False)
         self.go, self.stop = ctx.Event(), ctx.Event()
         self.ready = [ctx.Event() for _ in range(n)]
         self.procs = [
-            ctx.Process(target=_helper, args=(peer_cls, sys.argv[1:], dsn, i, self.counts, self.ready[i],
-                                              self.go, self.stop), daemon=True)
+            ctx.Process(target=_helper, args=(peer_cls, sys.argv[1:], dsn, i, self.counts, self.cpu,
+                                              self.ready[i], self.go, self.stop), daemon=True)
             for i in range(n)
         ]
 
@@ -389,6 +432,10 @@ class Helpers:
 
     def done(self) -> int:
         return sum(self.counts[i] for i in range(len(self.procs)))
+
+    def cpu_seconds(self) -> float:
+        """CPU the helpers used from `go` to their worker's stop (after join)."""
+        return sum(self.cpu[i] for i in range(len(self.procs)))
 
     def check(self) -> None:
         for proc in self.procs:
@@ -407,8 +454,8 @@ class Helpers:
                 proc.kill()
 
 
-def _helper(peer_cls: type[Peer], argv: list[str], dsn: str, index: int, counts: Any, ready: Any, go: Any,
-            stop: Any) -> None:
+def _helper(peer_cls: type[Peer], argv: list[str], dsn: str, index: int, counts: Any, cpu: Any, ready: Any,
+            go: Any, stop: Any) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     peer = peer_cls(parse_args(peer_cls.system, argv))
@@ -425,6 +472,7 @@ def _helper(peer_cls: type[Peer], argv: list[str], dsn: str, index: int, counts:
             ready.set()
             while not go.is_set():
                 await asyncio.sleep(0.001)
+            cpu0 = time.process_time()
             await peer.start_worker(noop, peer.args.concurrency, "throughput")
             try:
                 while not stop.is_set():
@@ -435,6 +483,7 @@ def _helper(peer_cls: type[Peer], argv: list[str], dsn: str, index: int, counts:
                         raise RuntimeError(f"{peer.system} worker stopped unexpectedly")
             finally:
                 await peer.stop_worker()
+                cpu[index] = time.process_time() - cpu0
             counts[index] = done
         finally:
             await peer.close()

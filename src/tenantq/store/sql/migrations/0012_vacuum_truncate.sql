@@ -1,0 +1,13 @@
+-- 0012: vacuum never truncates the queue's tables. Truncating a table's
+-- empty tail takes an ACCESS EXCLUSIVE lock on it, which stops every claim
+-- and settle while it is held (autovacuum gives it up only once someone
+-- has waited for it) and, replayed on a standby, cancels the standby's
+-- queries. A queue's tables are at a steady size under steady traffic: the
+-- pages cut off were filled again a few seconds later, so truncating bought
+-- nothing but the lock and the re-extension (the soak's `jobs` went
+-- 46 -> 32 -> 46 MB within a minute, docs/retention.md "Vacuum"). The
+-- space of deleted rows is still reused; to give it back to the operating
+-- system after a one-off burst, run `VACUUM (TRUNCATE) jobs` by hand.
+ALTER TABLE jobs SET (vacuum_truncate = false);
+ALTER TABLE attempts SET (vacuum_truncate = false);
+ALTER TABLE batches SET (vacuum_truncate = false);
