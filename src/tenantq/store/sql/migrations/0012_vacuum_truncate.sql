@@ -5,7 +5,7 @@
 -- queries. A queue's tables are at a steady size under steady traffic: the
 -- pages cut off were filled again a few seconds later, so truncating bought
 -- nothing but the lock and the re-extension (the soak's `jobs` went
--- 46 -> 32 -> 46 MB within a minute, docs/retention.md "Vacuum"). The
+-- 46 -> 32 -> 40 MB within 90 s, docs/retention.md "Vacuum"). The
 -- space of deleted rows is still reused; to give it back to the operating
 -- system after a one-off burst, run `VACUUM (TRUNCATE) jobs` by hand.
 ALTER TABLE jobs SET (vacuum_truncate = false);
