@@ -172,15 +172,19 @@ def server_cpu_meter(dsn: str) -> Callable[[], float] | None:
     backends count too), or None when the server is not on this machine or
     its files or /proc cannot be read. Shared with tenantq's side
     (bench/throughput.py), so both sides measure the server the same way."""
+    tick = os.sysconf("SC_CLK_TCK")
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            row = conn.execute("SHOW data_directory").fetchone()
-        with open(f"{row[0] if row else ''}/postmaster.pid") as pid_file:
-            root = int(pid_file.readline())
-        os.kill(root, 0)
+            row = conn.execute("SELECT current_setting('data_directory'), pg_backend_pid()").fetchone()
+            assert row is not None
+            with open(f"{row[0]}/postmaster.pid") as pid_file:
+                root = int(pid_file.readline())
+            # this server's postmaster, seen from here: our backend is its child
+            with open(f"/proc/{root}/task/{root}/children") as listing:
+                if str(row[1]) not in listing.read().split():
+                    return None
     except (psycopg.Error, OSError, ValueError):
         return None
-    tick = os.sysconf("SC_CLK_TCK")
 
     def cpu_seconds(pid: int | str, *, reaped: bool) -> float:
         try:

@@ -79,6 +79,13 @@ def _describe(db: Database) -> dict[str, Any]:
         " WHERE n.nspname = %(schema)s AND c.reloptions IS NOT NULL ORDER BY c.relname",
         params,
     )
+    toast_storage = fetch_all(
+        db,
+        "SELECT c.relname, t.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+        " JOIN pg_class t ON t.oid = c.reltoastrelid"
+        " WHERE n.nspname = %(schema)s AND t.reloptions IS NOT NULL ORDER BY c.relname",
+        params,
+    )
     scheduler = fetch_all(db, "SELECT * FROM scheduler ORDER BY priority")
     migrations = fetch_all(db, "SELECT version, name FROM migrations ORDER BY version")
     return {
@@ -88,6 +95,7 @@ def _describe(db: Database) -> dict[str, Any]:
         "indexes": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in indexes],
         "functions": [{k: _normalise(v, db.schema) for k, v in r.items()} for r in functions],
         "storage": storage,
+        "toast_storage": toast_storage,
         "scheduler": scheduler,
         "migrations": migrations,
     }
@@ -117,13 +125,15 @@ def test_migrations_replay_to_exactly_schema_sql(fresh_schema: Database, other_s
     assert [f["proname"] for f in replayed["functions"]] == ["queue_kinds"]
     # compare part by part so a failure names what drifted
     assert {r["relname"] for r in installed["storage"]} == {"attempts", "batches", "jobs"}
-    for part in ("tables", "columns", "constraints", "indexes", "functions", "storage", "scheduler",
-                 "migrations"):
+    for part in ("tables", "columns", "constraints", "indexes", "functions", "storage", "toast_storage",
+                 "scheduler", "migrations"):
         assert replayed[part] == installed[part], f"{part} differ between migrations and schema.sql"
     # vacuum never truncates the churning tables (migration 0012): the
     # truncation's ACCESS EXCLUSIVE lock would stop every claim
-    for row in installed["storage"]:
-        assert "vacuum_truncate=false" in row["reloptions"], row["relname"]
+    for part in ("storage", "toast_storage"):
+        assert {r["relname"] for r in installed[part]} == {"attempts", "batches", "jobs"}, part
+        for row in installed[part]:
+            assert "vacuum_truncate=false" in row["reloptions"], (part, row["relname"])
     assert [r["version"] for r in installed["migrations"]] == [v for v, _, _ in migration_files()]
     assert {r["priority"] for r in installed["scheduler"]} == {"interactive", "default", "bulk"}
 

@@ -313,9 +313,10 @@ ALTER TABLE attempts SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacu
 -- (migration 0009)
 ALTER TABLE batches SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuum_insert_scale_factor = 0.01,
                          autovacuum_vacuum_cost_delay = 0);
--- 0012: vacuum never truncates these tables: truncation takes an ACCESS
--- EXCLUSIVE lock (every claim waits; a standby cancels its queries), and
--- a queue refills the pages it cut off within seconds
-ALTER TABLE jobs SET (vacuum_truncate = false);
-ALTER TABLE attempts SET (vacuum_truncate = false);
-ALTER TABLE batches SET (vacuum_truncate = false);
+-- 0012: vacuum never truncates these tables or their TOAST tables:
+-- truncation takes an ACCESS EXCLUSIVE lock (every claim waits; a standby
+-- cancels its queries), and a queue refills the pages it cut off within
+-- seconds
+ALTER TABLE jobs SET (vacuum_truncate = false, toast.vacuum_truncate = false);
+ALTER TABLE attempts SET (vacuum_truncate = false, toast.vacuum_truncate = false);
+ALTER TABLE batches SET (vacuum_truncate = false, toast.vacuum_truncate = false);
