@@ -116,8 +116,11 @@ def test_tenantq_worker_once_with_a_failing_warmup_exits_non_zero_with_one_line(
     queue: Queue, tenantq_cmd: list[str], cli_env: dict[str, str]
 ) -> None:
     job_id = queue.enqueue("acme", "broken.job")
+    # one slot: with the default four, a second slot can have claimed the
+    # job again (and failed it a fourth time) while the third failure was
+    # stopping the worker, so the attempt count below would race
     command = [*tenantq_cmd, "worker", "--app", "tests.integration.broken_app", "--sandbox", "inline",
-               "--once", "--backoff-base", "0", "--poll-seconds", "0.1"]
+               "--once", "--backoff-base", "0", "--poll-seconds", "0.1", "--concurrency", "1"]
     done = subprocess.run(command, env=cli_env, capture_output=True, text=True, timeout=60, check=False,
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 1, done.stderr[-3000:]
