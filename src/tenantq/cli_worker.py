@@ -85,6 +85,25 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
 
     Prints its stats as one JSON line on stderr when it stops.
     """
+    from tenantq.observe.logs import configure as configure_logs
+    from tenantq.queue import Queue
+    from tenantq.registry import load_app
+    from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
+    from tenantq.settings import Settings
+
+    chosen_format = configure_logs(log_format)
+    logging.getLogger("tenantq.worker").addFilter(_StatsOnce())
+    secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
+    # the mistakes of a first run, each one line before anything else is
+    # printed or started: an app that does not import or registers nothing,
+    # then a database that is not there. Checked before the executors and
+    # the dispatcher are imported (about half a second of imports), so a
+    # database that does not answer is reported that much sooner.
+    module = load_app(app)
+    with Queue() as q:
+        db_ = q.db
+    db_.check()
+
     from tenantq.cli_sandbox import make_executor
     from tenantq.dispatch.executors.warm import WarmPolicy
     from tenantq.dispatch.outcome import Backoff
@@ -92,27 +111,12 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.fairness.drr import Mode
     from tenantq.observe.alerts import DeadLetterAlerts
     from tenantq.observe.logs import ProgressLine
-    from tenantq.observe.logs import configure as configure_logs
     from tenantq.observe.metrics import serve_worker_metrics
-    from tenantq.queue import Queue
-    from tenantq.registry import load_app
-    from tenantq.secrets import FileSecrets, NoSecrets, SecretsProvider
-    from tenantq.settings import Settings
     from tenantq.tenant_data import AppDatabase
 
-    chosen_format = configure_logs(log_format)
-    logging.getLogger("tenantq.worker").addFilter(_StatsOnce())
-    secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
                         max_idle=concurrency, ready_pool=ready_pool)
-    # the mistakes of a first run, each one line before anything else is
-    # printed or started: an app that does not import or registers nothing,
-    # then a database that is not there
-    module = load_app(app)
-    with Queue() as q:
-        db_ = q.db
-    db_.check()
     app_db_config = Settings().app_database(app_db_url, app_db_role)
     app_db = AppDatabase(app_db_config).open() if app_db_config is not None else None
     try:
