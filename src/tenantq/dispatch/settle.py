@@ -143,7 +143,8 @@ class BatchRun:
         self._run_histogram.observe(seconds,
                                     lambda: metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
         backoff = self.worker.config.backoff
-        if self.worker.cancels.requested(job_id):
+        cancelled = self.worker.cancels.requested(job_id)
+        if cancelled:
             # the host's own record of the request decides, whatever the
             # executor reported (rule H2); the attempt ends `cancelled`
             settlement = Settlement(job_id, "cancelled", error=cancelled_error(event.ok, event.error))
@@ -155,7 +156,7 @@ class BatchRun:
         self.pending.append(settlement if event.host_calls is None
                             else replace(settlement, host_calls=event.host_calls))
         since = time.monotonic() - self.last_flush
-        if since >= self.worker.config.flush_seconds or self.worker.cancels.requested(job_id):
+        if since >= self.worker.config.flush_seconds or cancelled:
             self._write(end_outcome=None)
         elif self._flush_timer is None:
             wait = self.worker.config.flush_seconds - since

@@ -8,7 +8,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from operator import itemgetter
+from typing import Any, cast
 
 from psycopg.types.json import Jsonb
 
@@ -129,25 +130,26 @@ def claim_rows(
 
 
 def batch_of(tenant_id: str, priority: Priority, rows: Sequence[Row]) -> Batch:
-    """The batch leased by `claim_rows` (non-empty), its jobs in id order."""
-    ordered = sorted(rows, key=lambda r: int(str(r["id"])))
+    """The batch leased by `claim_rows` (non-empty), its jobs in id order.
+    The columns have the claim's SQL types (psycopg's ints, floats, str)."""
+    ordered = sorted(rows, key=itemgetter("id"))
     first = ordered[0]
     return Batch(
-        batch_id=int(str(first["batch_id"])),
+        batch_id=cast(int, first["batch_id"]),
         tenant_id=tenant_id,
         priority=priority,
         lease_expires_at=first["lease_expires_at"],  # type: ignore[arg-type]
         jobs=tuple(
             ClaimedJob(
-                id=int(str(r["id"])),
+                id=cast(int, r["id"]),
                 tenant_id=tenant_id,
-                kind=str(r["kind"]),
-                payload=decode_payload(None if r["payload_text"] is None else str(r["payload_text"])),
-                attempt=int(str(r["attempts"])),
-                max_attempts=int(str(r["max_attempts"])),
-                waited=float(str(r["waited"])),
-                actor=None if r["actor"] is None else str(r["actor"]),
-                meta=_decoded_meta(r["meta_text"]),
+                kind=cast(str, r["kind"]),
+                payload=decode_payload(cast("str | None", r["payload_text"])),
+                attempt=cast(int, r["attempts"]),
+                max_attempts=cast(int, r["max_attempts"]),
+                waited=cast(float, r["waited"]),
+                actor=cast("str | None", r["actor"]),
+                meta=None if r["meta_text"] is None else _decoded_meta(r["meta_text"]),
             )
             for r in ordered
         ),
@@ -195,7 +197,7 @@ def settle(
                     "ids": [s.job_id for s in settlements],
                     "statuses": [s.status for s in settlements],
                     "results": [None if s.status != "done" else
-                                jsonb_text(s.result_json) if s.result_json is not None else Jsonb(s.result)
+                                s.result_json if s.result_json is not None else json.dumps(s.result)
                                 for s in settlements],
                     "errors": [s.error for s in settlements],
                     "delays": [s.delay for s in settlements],

@@ -213,7 +213,9 @@ WITH clock AS (
     SELECT worker_id, sandbox_driver FROM batches WHERE batch_id = %(batch_id)s
 ), outcome AS (
     SELECT *
-    FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(results)s::jsonb[], %(errors)s::text[],
+    -- results come as JSON text (a text[] is dumped by psycopg's C code, a
+    -- jsonb[] element by element in Python) and are parsed once, here
+    FROM unnest(%(ids)s::bigint[], %(statuses)s::text[], %(results)s::text[], %(errors)s::text[],
                 %(delays)s::double precision[], %(host_calls)s::jsonb[])
          AS o(id, status, result, error, delay, host_calls)
 ), settled AS (
@@ -224,7 +226,7 @@ WITH clock AS (
     -- had heard of the request: no retry, no result.
     SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE o.status END,
         result = CASE WHEN o.status = 'done' AND j.cancel_requested_at IS NULL
-                      THEN coalesce(o.result, 'null'::jsonb) ELSE j.result END,
+                      THEN coalesce(o.result::jsonb, 'null'::jsonb) ELSE j.result END,
         last_error = CASE WHEN j.cancel_requested_at IS NOT NULL AND o.status <> 'cancelled'
                           THEN 'cancelled while running: ' || coalesce(o.error, 'it had finished (its result is dropped)')
                           WHEN o.status = 'done' THEN NULL ELSE coalesce(o.error, j.last_error) END,

@@ -1,0 +1,11 @@
+-- 0013: jobs.batch_id no longer references batches.
+-- The claim inserts the batch row and points its jobs at it in one
+-- statement, so the reference was never in doubt there; yet the foreign key
+-- ran one referential check (a query and a row lock on the batch) per
+-- leased job: 2.6 ms of a 1,000-job claim's 11 ms (docs/benchmarks.md,
+-- "Throughput"). What it guarded is kept by the rows' own invariants: a job
+-- has a batch_id exactly while it runs (CHECK running_has_lease), and a
+-- batch ends only in the transaction that settles, releases or reaps its
+-- running jobs (jobs.sql settle/release_unstarted, batches.sql expire), so
+-- an ended batch, the only kind retention deletes, has no job pointing at it.
+ALTER TABLE jobs DROP CONSTRAINT jobs_batch_id_fkey;
