@@ -84,6 +84,7 @@ class BatchRun:
         self.run_seconds = 0.0
         self._started_at: dict[int, float] = {}
         self._run_histogram = metrics.sampled(metrics.JOB_RUN, batch.priority)
+        self._run_times: list[tuple[float, ClaimedJob]] = []
         self.egress: EgressUsed | None = None
         self.host_calls: dict[str, Any] | None = None
 
@@ -140,8 +141,7 @@ class BatchRun:
         seconds = self._seconds(job_id, event.seconds)
         if job_id not in self.undecodable:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
-        self._run_histogram.observe(seconds,
-                                    lambda: metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))
+        self._run_times.append((seconds, job))  # observed with the next write
         backoff = self.worker.config.backoff
         cancelled = self.worker.cancels.requested(job_id)
         if cancelled:
@@ -304,7 +304,16 @@ class BatchRun:
         self.worker.stats.add(refused=refused_count)
         log.warning("%s", exc)
 
+    def _observe_run_times(self) -> None:
+        """The run times of the jobs ended since the last write, in one go
+        (SampledExemplars.observe_many)."""
+        ended, self._run_times = self._run_times, []
+        if ended:
+            self._run_histogram.observe_many([seconds for seconds, _ in ended],
+                                             metrics.job_exemplars([job for _, job in ended]))
+
     def _write(self, *, end_outcome: str | None, release: Sequence[int] = ()) -> None:
+        self._observe_run_times()
         if self.lost:
             return
         # a cancel that came after the job's end was reported still wins

@@ -315,11 +315,8 @@ class Worker:
                 metrics.PICK_LOCK_WAIT.labels(priority).observe(notes.lock_wait)
                 metrics.PICK_LOCK_HELD.labels(priority).observe(notes.lock_held)
                 if batch is not None:
-                    waits = metrics.sampled(metrics.JOB_WAIT, priority)
-                    for job in batch.jobs:
-                        # called at once, if at all: `job` is this iteration's
-                        waits.observe(job.waited,
-                                      lambda: metrics.exemplar(job.id, job.tenant_id, job.actor, job.meta))  # noqa: B023
+                    metrics.sampled(metrics.JOB_WAIT, priority).observe_many(
+                        [job.waited for job in batch.jobs], metrics.job_exemplars(batch.jobs))
                     self.leases.add(batch.batch_id)  # heartbeated from now on: nothing may raise after
                     return batch, None
                 if priority == "interactive":

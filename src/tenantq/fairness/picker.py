@@ -275,7 +275,7 @@ def _lease(conn: Conn, request: ClaimRequest, priority: Priority, decision: _Dec
     """The claim of a decision, without the cursor lock: the batch, None
     (abandoned), or _Retry (nothing claimed; the charge is repaid)."""
     tenant_id = decision.tenant_id
-    rows: list[jobs.Row] = []
+    rows = jobs.ClaimedRows((), ())
     abandoned = False
     # Pipelined: BEGIN and the claim in one round trip (two when the
     # tenant's buckets or cap are read first, under their row locks until
@@ -301,9 +301,9 @@ def _lease(conn: Conn, request: ClaimRequest, priority: Priority, decision: _Dec
             raise psycopg.Rollback()
         if rows:
             if limits is not None:
-                rates.take(conn, limits, Counter(str(r["kind"]) for r in rows), now=now)
+                rates.take(conn, limits, Counter(rows.column("kind")), now=now)
             if request.fair_by is drr.Mode.RUNTIME:
-                conn.execute(sql("batches", "set_charged"), {"batch_id": int(str(rows[0]["batch_id"])),
+                conn.execute(sql("batches", "set_charged"), {"batch_id": rows.column("batch_id")[0],
                                                              "seconds": decision.unit * len(rows)})
         else:
             # nothing claimed: no credit kept, nothing charged

@@ -14,8 +14,10 @@ Two kinds:
 from __future__ import annotations
 
 import bisect
+import collections
+import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_app, start_http_server
@@ -23,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tenantq.store.db import Database
+from tenantq.store.model import ClaimedJob
 from tenantq.store.queries import sql
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -96,6 +99,38 @@ class SampledExemplars:
         else:
             self.series.observe(amount)
 
+    def observe_many(self, amounts: Sequence[float], exemplar: Callable[[int], dict[str, str]]) -> None:
+        """`observe` of each of `amounts` (a batch's waits or run times), with
+        one update of the sum and one of each bucket they fall in: one
+        `Histogram.observe` per job (two locked increments and a walk of the
+        bounds) was a tenth of a no-op drain's Python time. `exemplar(i)`
+        builds the exemplar of `amounts[i]`."""
+        buckets = [bisect.bisect_left(self.bounds, amount) for amount in amounts]
+        now = time.monotonic()
+        left = dict(collections.Counter(buckets))
+        total = 0.0
+        for bucket in left:
+            if now - self._last[bucket] >= EXEMPLAR_EVERY_SECONDS:
+                self._last[bucket] = now
+                i = buckets.index(bucket)
+                self.series.observe(amounts[i], exemplar(i))
+                left[bucket] -= 1
+                total -= amounts[i]
+        total += math.fsum(amounts)
+        counters = getattr(self.series, "_buckets", None)
+        if getattr(self.series, "_upper_bounds", None) != [*self.bounds, math.inf] or counters is None:
+            # not the prometheus_client layout this was written against
+            # (tests/unit/test_sampled_exemplars.py): one observe each
+            for i, amount in enumerate(amounts):
+                if left.get(buckets[i], 0) > 0:
+                    left[buckets[i]] -= 1
+                    self.series.observe(amount)
+            return
+        self.series._sum.inc(total)
+        for bucket, n in left.items():
+            if n:
+                counters[bucket].inc(n)
+
 
 _sampled: dict[tuple[int, str], SampledExemplars] = {}
 
@@ -109,6 +144,11 @@ def sampled(histogram: Histogram, label: str) -> SampledExemplars:
     return found
 # OpenMetrics: an exemplar's label names and values total at most 128 characters
 EXEMPLAR_CHARS = 128
+
+
+def job_exemplars(jobs: Sequence[ClaimedJob]) -> Callable[[int], dict[str, str]]:
+    """`observe_many`'s exemplar maker for observations of `jobs`, in order."""
+    return lambda i: exemplar(jobs[i].id, jobs[i].tenant_id, jobs[i].actor, jobs[i].meta)
 
 
 def exemplar(job_id: int, tenant: str, actor: str | None,
