@@ -4,7 +4,8 @@ tenantq beside its peers, each at its best setting on this machine.
 The best setting is searched, not assumed: each system's drain is run once
 at every point of a small grid (worker processes x batch size x
 concurrency) on the same server, the grid is reported, and the best point
-is then run `repeats` times for the table. Every row names its setting.
+is then run `repeats` times for the table, the systems taking turns (one
+run of each per round). Every row names its setting.
 Worker processes are started and connected before the clock starts and
 start together (tenantq: `_drain`; the peers: peerlib's `Helpers`).
 """
@@ -147,7 +148,7 @@ def _label(setting: dict[str, Any]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {'default' if v is None else v}" for k, v in setting.items())
 
 
-def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: int = 3,
+def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: int = 5,
         peers: bool = True, grid: bool = True, big: int = 200_000) -> dict[str, Any]:
     """`big`: one enqueue_many (bulk) call of that many jobs after each
     table run's drain (a large import; its jobs are not drained)."""
@@ -178,10 +179,15 @@ def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: 
         if rows:
             best[f"tenantq, {procs} process{'es' if procs > 1 else ''}"] = \
                 max(rows, key=lambda r: r["drain_per_s"])["setting"]
-    results: dict[str, dict[str, Any]] = {}
-    for name, setting in sorted(best.items(), key=lambda item: not item[0].startswith("tenantq")):
-        samples: dict[str, list[float | None]] = {key: [] for key in (*COLUMNS, *CPU_COLUMNS)}
-        for _ in range(repeats):
+    # Interleaved: each round runs every system once, so that a change in
+    # the machine's speed during the run (seen here: 15% within minutes)
+    # falls on every system alike instead of on whichever ran then.
+    order = sorted(best, key=lambda name: not name.startswith("tenantq"))
+    samples: dict[str, dict[str, list[float | None]]] = {
+        name: {key: [] for key in (*COLUMNS, *CPU_COLUMNS)} for name in order}
+    for _ in range(repeats):
+        for name in order:
+            setting = best[name]
             if name.startswith("tenantq"):
                 r = _tenantq_run(jobs=jobs, tenants=tenants, single=single, big=big, **setting)
             else:
@@ -193,10 +199,13 @@ def run(*, jobs: int = 20_000, tenants: int = 10, single: int = 1_000, repeats: 
                      "enqueue_big": peer["enqueue_big_bulk_per_s"] or 0.0,
                      "drain_inline": peer["drain_per_s"],
                      "drain_cpu_client_us": used["client"], "drain_cpu_server_us": used["server"]}
-            for key in samples:
-                samples[key].append(r[key])
-        results[name] = {"setting": setting, **{k: summarise([x for x in v if x is not None])
-                                                if None not in v else None for k, v in samples.items()}}
+            for key in samples[name]:
+                samples[name][key].append(r[key])
+    results: dict[str, dict[str, Any]] = {
+        name: {"setting": best[name],
+               **{k: summarise([x for x in v if x is not None]) if None not in v else None
+                  for k, v in samples[name].items()}}
+        for name in order}
     _main_table(results, jobs=jobs, single=single, repeats=repeats, big=big)
     _cpu_table(results, repeats=repeats)
     payload = {"benchmark": "throughput", "machine": info,
