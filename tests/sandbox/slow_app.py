@@ -19,3 +19,11 @@ def sleep(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
         fh.write("1")
     time.sleep(float(payload["seconds"]))
     return {"slept": payload["seconds"], "attempt": ctx.attempt, "pid": os.getpid()}
+
+
+# For cancelling a job while it runs: a timeout far past its sleep, so that a
+# loaded machine (the guest's clock runs on while its sandbox waits for a CPU)
+# cannot time the job out before the test cancels it.
+@tenantq.handler("slow.wait", timeout=60, memory_mb=64)
+def wait(payload: Any, ctx: tenantq.JobContext) -> dict[str, Any]:
+    return sleep(payload, ctx)

@@ -165,8 +165,12 @@ def test_fork_children_start_from_the_parent_and_never_touch_it(driver_name: str
                 parent.fork()
             return
         parent.filesystem.write("/state/who", "parent")
-        counter = parent.exec("python3 -c 'import time\nn = 0\nwhile True:\n n += 1\n "
-                              "open(\"/state/n\", \"w\").write(str(n))\n time.sleep(0.02)'", background=True)
+        # written whole by a rename: a fork (or a read) between a truncate and
+        # its write would otherwise see an empty file (seen once on CI)
+        counter = parent.exec("python3 -c 'import os, time\nn = 0\nwhile True:\n n += 1\n "
+                              "open(\"/state/n.tmp\", \"w\").write(str(n))\n "
+                              "os.replace(\"/state/n.tmp\", \"/state/n\")\n time.sleep(0.02)'",
+                              background=True)
         assert parent.run(within("test -s /state/n")).ok
         children = parent.fork_many(2, ttl_seconds=60)
         try:
