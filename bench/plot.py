@@ -69,12 +69,14 @@ def plot_soak(payload: dict[str, Any], path: Path = DOCS / "soak.png") -> Path:
     """The soak's series over time, with and without retention."""
     series = [("claim_p50_ms", "pick and claim p50 (ms)"), ("claim_p99_ms", "pick and claim p99 (ms)"),
               ("drain_per_s", "drained jobs/s"), ("small_wait_ms", "small tenant's wait p50 (ms)"),
-              ("jobs_mb", "jobs table (MB)"), ("indexes_mb", "jobs indexes (MB)")]
-    fig, axes = plt.subplots(3, 2, figsize=(10, 8.6), dpi=110)
+              ("jobs_mb", "jobs table (MB)"), ("indexes_mb", "jobs indexes (MB)"),
+              ("cpu_busy_pct", "machine CPU busy (%)"),
+              ("cpu_steal_pct", "CPU taken by the hypervisor (steal, %)")]
+    fig, axes = plt.subplots(4, 2, figsize=(10, 11.2), dpi=110)
     for ax, (key, title) in zip(axes.flat, series, strict=True):
         for run in payload["runs"]:
             xs = [s["t_s"] for s in run["samples"]]
-            ys = [s[key] for s in run["samples"]]
+            ys = [s.get(key, float("nan")) for s in run["samples"]]  # runs before a series had none
             label = "retention on" if run["retention"] else "no retention"
             ax.plot(xs, ys, marker=".", label=label,
                     color="#1f7a3a" if run["retention"] else "#c0392b", linewidth=1.8)
