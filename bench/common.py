@@ -7,6 +7,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,6 +61,21 @@ def spawned(ctx: Any, target: Callable[..., None], args: tuple[Any, ...], n: int
 def machine_info(db: Database) -> dict[str, Any]:
     with psycopg.connect(db.dsn) as conn:
         row = conn.execute("SHOW server_version").fetchone()
+        # Dead rows in the system catalog: a server with autovacuum off (this
+        # repo's CI server) that has seen many schemas created and dropped
+        # (the test suite) carries hundreds of thousands, and every statement
+        # ran slower on it: on 2026-12-05, 633,000 dead rows in pg_attribute
+        # made a bare one-row INSERT 0.40-0.47 ms instead of 0.25 (and the
+        # throughput run on it, in a noisy half hour too, came out about 1.7
+        # times slower for every system: docs/benchmarks.md, "Throughput").
+        # Reported with each result; VACUUM the catalog first.
+        catalog = conn.execute(
+            "SELECT coalesce(sum(n_dead_tup), 0) AS dead, coalesce(sum(n_live_tup), 0) AS live"
+            " FROM pg_stat_sys_tables WHERE schemaname = 'pg_catalog'").fetchone()
+    if catalog is not None and int(catalog[0]) > 100_000:
+        print(f"warning: the server's catalog holds {int(catalog[0]):,} dead rows (is autovacuum off?); "
+              "every statement runs slower on it: VACUUM the pg_catalog tables before measuring",
+              file=sys.stderr)
     try:
         cpu = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -71,6 +87,8 @@ def machine_info(db: Database) -> dict[str, Any]:
         "postgres": row[0] if row else "?",
         "tenantq": tenantq.__version__,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "catalog_dead_rows": int(catalog[0]) if catalog is not None else None,
+        "catalog_live_rows": int(catalog[1]) if catalog is not None else None,
     }
 
 
