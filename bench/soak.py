@@ -392,12 +392,16 @@ def report(payload: dict[str, Any]) -> None:
     console.print(table)
     for r in runs:
         steady = r["samples"][warmup:]
-        for key in ("claim_p50_ms", "claim_p99_ms", "small_wait_ms"):
-            r["verdict"].setdefault("steal_correlation", {})[key] = _correlation(steady, key, "cpu_steal_pct")
-        console.print(f"{'retention' if r['retention'] else 'no retention'}: how the latencies after the "
-                      "warm-up follow the CPU the hypervisor took (Pearson r with steal %): "
-                      + ", ".join(f"{k} {v:+.2f}" if v is not None else f"{k} n/a"
-                                  for k, v in r["verdict"]["steal_correlation"].items()))
+        # how the latencies after the warm-up follow the machine: its busy
+        # share and the CPU the hypervisor took (Pearson r; reported, not judged)
+        for machine, label in (("cpu_busy_pct", "busy"), ("cpu_steal_pct", "steal")):
+            found = r["verdict"].setdefault(f"{label}_correlation", {})
+            for key in ("claim_p50_ms", "claim_p99_ms", "small_wait_ms"):
+                found[key] = _correlation(steady, key, machine)
+            console.print(f"{'retention' if r['retention'] else 'no retention'}: Pearson r of the latencies "
+                          f"with the machine's {label} %: "
+                          + ", ".join(f"{k} {v:+.2f}" if v is not None else f"{k} n/a"
+                                      for k, v in found.items()))
     for r in runs:
         console.print(f"{'retention' if r['retention'] else 'no retention'}: "
                       f"{'PASS' if r['verdict']['pass'] else 'FAIL'} (no series 20% worse than its first "

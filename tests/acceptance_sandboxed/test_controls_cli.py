@@ -371,7 +371,7 @@ def test_cancelling_a_running_sandboxed_job_kills_it_within_the_bound(
     print(f"\n{driver}: cancel -> settled cancelled in {took:.3f} s")
     assert row["status"] == "cancelled"
     assert 0 <= took < CANCEL_BOUND_SECONDS, took
-    assert float(row["ran"]) < 20, row  # killed: it did not sleep its 20 s out
+    assert float(row["ran"]) < 4, row  # killed within 4 s of its start, as before (it would sleep 20)
     info = queue.job(slow)
     assert info.attempts_history[-1]["outcome"] == "cancelled" and info.cancelled_by == "bound-test"
     assert queue.job(sibling).result["slept"] == 0.1
