@@ -57,7 +57,7 @@ def _time(fn: Any, n: int) -> list[float]:
 
 
 def driver_overhead(driver: SandboxDriver, n: int) -> dict[str, list[float]]:
-    mounts = guest_python(None).mounts
+    mounts = guest_python().mounts
     create_exec: list[float] = []
     destroy: list[float] = []
     total: list[float] = []

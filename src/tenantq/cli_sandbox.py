@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported where used: `tenantq --help` or `status` need none of them
@@ -19,11 +20,12 @@ APP_HELP = ("Module that registers the handlers: a dotted module importable from
 
 def make_executor(app: str, sandbox: str, policy: WarmPolicy,
                   secrets: SecretsProvider | None = None, *, work_mb: int = 128,
-                  app_db: AppDatabase | None = None) -> BatchExecutor:
+                  app_db: AppDatabase | None = None, sandbox_paths: Sequence[str] = ()) -> BatchExecutor:
     """The executor `tenantq worker --app APP --sandbox NAME` runs batches on.
 
     APP is imported here (see `load_app` for the forms it takes), so a broken
-    or empty app fails before anything connects or starts."""
+    or empty app fails before anything connects or starts; so does an app
+    whose sandboxes would see a settings or key file (rule M1)."""
     from tenantq.dispatch.executors.inline import InlineExecutor
     from tenantq.dispatch.executors.sandboxed import SandboxExecutor
     from tenantq.registry import REGISTRY, load_app
@@ -38,4 +40,4 @@ def make_executor(app: str, sandbox: str, policy: WarmPolicy,
     driver, chosen = get_driver(sandbox, Settings().data_dir)
     log.info("%s", chosen)
     return SandboxExecutor(driver, REGISTRY, module, policy=policy, secrets=secrets, work_mb=work_mb,
-                           app_db=app_db)
+                           app_db=app_db, sandbox_paths=sandbox_paths)

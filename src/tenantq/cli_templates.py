@@ -57,8 +57,12 @@ def template() -> None:
 @click.option("--from", "base", default="base", show_default=True, help="The template this one builds on.")
 @click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process"]), default="auto",
               show_default=True)
+@click.option("--sandbox-path", "sandbox_paths", multiple=True, metavar="PATH",
+              help="A file or directory under the warmup's project copied into the layer too (data, "
+                   "modules imported by computed names); only the modules the warmup imports are copied "
+                   "otherwise (docs/security.md, rule M1). Repeatable.")
 def template_create(name: str, requirements: Path | None, warmup: str | None, base: str,
-                    sandbox: str) -> None:
+                    sandbox: str, sandbox_paths: tuple[str, ...]) -> None:
     """Make (or rebuild) the Sandbox API template NAME: its layer now, and on
     gVisor its checkpoint. Running it again with the same inputs changes nothing."""
     from tenantq.sandbox import boot, templates
@@ -74,7 +78,8 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
     templates.check_name(name)  # before any path is made of it
     chosen, _ = get_driver(sandbox, _data_dir())
     existed = (templates.templates_dir(_data_dir()) / name / "template.json").exists()
-    resolved, changed = templates.create(_data_dir(), name, base=base, requirements=text, warmup=warmup)
+    resolved, changed = templates.create(_data_dir(), name, base=base, requirements=text, warmup=warmup,
+                                         sandbox_paths=sandbox_paths)
     try:
         done = boot.prepare(chosen, resolved)
     except InvalidInput:

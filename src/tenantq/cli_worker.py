@@ -66,13 +66,18 @@ from tenantq.errors import TenantqError
               help="SET LOCAL ROLE in every ctx.db() transaction (a role without BYPASSRLS).")
 @click.option("--store-connections", type=click.IntRange(2, 1000), default=None,
               help="Most connections to tenantq's own database (default: concurrency + 2, at most 20).")
+@click.option("--sandbox-path", "sandbox_paths", multiple=True, metavar="PATH",
+              help="A file or directory sandboxes see read-only at its path, besides the modules the app "
+                   "imports (data, templates, modules imported by computed names); repeatable "
+                   "(also TENANTQ_SANDBOX_PATHS, comma-separated). Naming a settings or key file itself "
+                   "is the only way to let a sandbox see one (docs/security.md, rule M1).")
 def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, batch_size: int,
            lease_seconds: float, poll_seconds: float, backoff_base: float, backoff_cap: float, fair_by: str,
            quantum_seconds: float, interactive_share: float, metrics_port: int | None,
            on_dead: str | None, on_dead_url: str | None, log_format: str | None, once: bool,
            snapshots: str, keep_warm: float, max_batches_per_sandbox: int,
            hibernate_after: float | None, ready_pool: int, work_mb: int, app_db_url: str | None,
-           app_db_role: str | None, store_connections: int | None) -> None:
+           app_db_role: str | None, store_connections: int | None, sandbox_paths: tuple[str, ...]) -> None:
     """Run jobs: lease batches fairly, run them, settle every job.
 
     \b
@@ -120,7 +125,8 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     app_db_config = Settings().app_database(app_db_url, app_db_role)
     app_db = AppDatabase(app_db_config).open() if app_db_config is not None else None
     try:
-        executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb, app_db=app_db)
+        executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb, app_db=app_db,
+                                 sandbox_paths=[*Settings().sandbox_path_list(), *sandbox_paths])
         config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                               poll_seconds=poll_seconds, once=once,
                               backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),

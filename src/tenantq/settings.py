@@ -102,6 +102,10 @@ class Settings(BaseSettings):
                                                          "calls in flight.")
 
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
+    sandbox_paths: str = Field(
+        default="", description="Files or directories (comma-separated) every sandbox of a worker sees "
+        "read-only at their paths, besides the app's imports (rule M1 of docs/security.md); "
+        "--sandbox-path adds more.")
     retain_done: str = Field(default="7d", description="How long done jobs are kept.")
     retain_cancelled: str = Field(default="7d", description="How long cancelled jobs are kept.")
     retain_dead: str = Field(default="30d", description="How long dead jobs are kept.")
@@ -133,6 +137,9 @@ class Settings(BaseSettings):
         return AppDatabaseConfig(url=chosen, role=role or self.app_db_role,
                                  tenant_setting=self.app_db_tenant_setting,
                                  actor_setting=self.app_db_actor_setting, pool_size=self.app_db_pool_size)
+
+    def sandbox_path_list(self) -> list[str]:
+        return [p.strip() for p in self.sandbox_paths.split(",") if p.strip()]
 
     def egress_networks(self) -> list[str]:
         return [n.strip() for n in self.egress_allow_networks.split(",") if n.strip()]

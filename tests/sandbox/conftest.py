@@ -258,7 +258,7 @@ def make_sandbox(driver: SandboxDriver) -> Iterator[SandboxFactory]:
     """create(spec) with the guest Python mounted; every sandbox is destroyed
     in teardown (destroy is idempotent), before the leftovers check."""
     created: list[Sandbox] = []
-    mounts = guest_python(None).mounts
+    mounts = guest_python().mounts
 
     def create(**fields: Any) -> Sandbox:
         spec = SandboxSpec(**{"tenant": "acme", "memory_mb": 192, "ttl_seconds": 120.0, "mounts": mounts,
@@ -275,7 +275,7 @@ def make_sandbox(driver: SandboxDriver) -> Iterator[SandboxFactory]:
 @pytest.fixture
 def python() -> str:
     """The interpreter inside the sandbox."""
-    return guest_python(None).executable
+    return guest_python().executable
 
 
 # -- the CLI against this test's schema and data dir ----------------------------

@@ -211,7 +211,7 @@ def _fail_after(original: object) -> object:
 
 def test_failing_create_cleans_up(driver: SandboxDriver, driver_name: str, data_dir: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = SandboxSpec(tenant="acme", memory_mb=128, mounts=guest_python(None).mounts)
+    spec = SandboxSpec(tenant="acme", memory_mb=128, mounts=guest_python().mounts)
     module = gvisor if driver_name == "gvisor" else process
 
     def broken_skeleton(*args: object, **kwargs: object) -> Path:
@@ -235,7 +235,7 @@ def test_create_rejects_a_mount_whose_source_does_not_exist(driver: SandboxDrive
                                                             tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
     spec = SandboxSpec(tenant="acme", memory_mb=128,
-                       mounts=(*guest_python(None).mounts, Mount(str(missing), "/opt/app")))
+                       mounts=(*guest_python().mounts, Mount(str(missing), "/opt/app")))
     error: Exception | None = None
     try:
         sandbox = driver.create(spec)

@@ -24,10 +24,11 @@ from typing import TYPE_CHECKING
 
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.agent_link import AgentLink
+from tenantq.sandbox.digests import DIGESTS
 from tenantq.sandbox.driver import SandboxDriver, SnapshotDriver
 from tenantq.sandbox.hostside import HostSandbox, Running
 from tenantq.sandbox.layout import GUEST_EGRESS_DIR, START_AGENT, guest_python
-from tenantq.sandbox.snapshots import _DIGESTS, SnapshotStore, runtime_version
+from tenantq.sandbox.snapshots import SnapshotStore, runtime_version
 from tenantq.sandbox.spec import SandboxSpec
 from tenantq.sandbox.templates import Resolved, python_path
 
@@ -49,13 +50,13 @@ def agent_argv() -> list[str]:
     # tenantq package first (another ~0.3 s; see guest/start_agent.py). The
     # tenantq source is mounted at its host path, so the path is the same
     # in the guest.
-    return [guest_python(None).executable, "-S", "-P", str(START_AGENT), "--deadline-file",
+    return [guest_python().executable, "-S", "-P", str(START_AGENT), "--deadline-file",
             f"{GUEST_EGRESS_DIR}/deadline"]
 
 
 def template_spec(resolved: Resolved, *, tenant: str, memory_mb: int, cpus: float, ttl: float,
                   labels: dict[str, str]) -> SandboxSpec:
-    mounts = guest_python(None).mounts + resolved.mounts
+    mounts = guest_python().mounts + resolved.mounts
     return SandboxSpec(tenant=tenant, memory_mb=memory_mb, cpus=cpus, ttl_seconds=ttl, mounts=mounts,
                        writable_root=True, labels=labels)
 
@@ -115,7 +116,7 @@ def cold_agent(cls: type[Sandbox], chosen: SandboxDriver, spec: SandboxSpec, *, 
                supervisor: bool) -> Sandbox:
     """A sandbox of `spec` booted with the agent as its init, nothing else
     (the queue's: Sandbox.boot_for_runner)."""
-    path = ":".join(guest_python(None).sys_path)
+    path = ":".join(guest_python().sys_path)
     host, running, link = _start_agent(chosen, spec, env={"PYTHONPATH": path}, supervisor=supervisor)
     return cls(host, running, link, chosen, template=template, metadata={}, timeout_seconds=BOOT_SECONDS)
 
@@ -141,7 +142,7 @@ def run_warmups(sandbox: Sandbox, resolved: Resolved) -> None:
     """Each warmup `module:function`, in a python3 of the sandbox; what it
     writes or leaves running stays. A failing one: InvalidInput with its
     last line of stderr."""
-    python = guest_python(None).executable
+    python = guest_python().executable
     for warmup in resolved.warmups:
         module, function = warmup.split(":")
         code = f"import importlib; getattr(importlib.import_module({module!r}), {function!r})()"
@@ -172,7 +173,7 @@ def _image_key(chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec) -> 
              "runtime": runtime_version([runsc, "--version"]) if runsc else chosen.name,
              "python": sys.version, "limits": [spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb],
              "mounts": sorted(f"{m.source}:{m.target}" for m in spec.mounts),
-             "tenantq": {p: _DIGESTS.tree(p) for p in guest_python(None).code_paths}}
+             "tenantq": {p: DIGESTS.tree(p) for p in guest_python().code_paths}}
     return "api-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 

@@ -261,7 +261,7 @@ def spec_from_meta(meta: dict[str, object]) -> SandboxSpec:
 
     labels = meta.get("labels")
     return SandboxSpec(tenant=str(meta.get("tenant") or ""), memory_mb=int(str(meta.get("memory_mb", 512))),
-                       cpus=float(str(meta.get("cpus", 1.0))), mounts=guest_python(None).mounts,
+                       cpus=float(str(meta.get("cpus", 1.0))), mounts=guest_python().mounts,
                        labels={str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {},
                        writable_root=bool(meta.get("writable_root")))
 

@@ -9,15 +9,20 @@ Postgres socket or data directory, no secrets file.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import logging
 import os
 import shutil
 import sys
+import sysconfig
+import threading
+import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tenantq.errors import InvalidInput
+from tenantq.sandbox import code_view, install_view
 from tenantq.sandbox.spec import Mount
 
 GUEST_EGRESS_DIR = "/tenantq/egress"
@@ -25,6 +30,9 @@ GUEST_UID = 65534
 GUEST_GID = 65534
 SYSTEM_DIRS = ("/usr",)
 API_DIRS = ("work", "workspace", "run")
+# the app's code as sandboxes see it, and the masks (rule M1)
+CODE_DIR = "code"
+log = logging.getLogger("tenantq.sandbox")
 # the agent's start script; tenantq's source is mounted at its host path
 START_AGENT = Path(__file__).resolve().parent.parent / "guest" / "start_agent.py"
 
@@ -51,45 +59,159 @@ class GuestPython:
     # tenantq's own package and the app's code: what a template's key hashes
     code_paths: tuple[str, ...] = ()
 
+    def app_code(self, module: str, sandbox_paths: Sequence[str] = ()) -> tuple[code_view.AppCode | None,
+                                                                                   tuple[Path, ...]]:
+        """`module`'s import closure under its own source tree and the
+        operator's paths (real paths), both checked (rule M1): InvalidInput
+        naming a file that must not be in a sandbox. The closure is None
+        when the module is not found here (built in, or not installed)."""
+        allowed = tuple(Path(os.path.realpath(p)) for p in sandbox_paths)
+        for path in allowed:
+            if not path.exists():
+                raise InvalidInput(f"--sandbox-path {path}: no such file or directory")
+            if path.is_dir():
+                code_view.check_tree(path, allowed)
+        root = code_view.app_root(module)
+        if root is None:
+            return None, allowed
+        # an app installed into site-packages: its neighbours are other
+        # distributions (mounted whole already), not the app's own code
+        installed = any(_covered(str(root), [d]) for d in self.site_dirs)
+        outside = tuple(Path(p) for p in (*self.code_paths, *_stdlib_dirs()))
+        code = code_view.closure(module, root, outside=outside, only_top=installed)
+        code_view.check(code, allowed)
+        return code, allowed
+
+    def with_app(self, app_module: str, data_dir: Path, sandbox_paths: Sequence[str] = ()) -> GuestPython:
+        """This plus the app's code (its checked closure, copied under
+        `data_dir`) and the operator's --sandbox-path entries."""
+        code, allowed = self.app_code(app_module, sandbox_paths)
+        mounts = list(self.mounts)
+        sys_path = list(self.sys_path)
+        code_paths = list(self.code_paths)
+        if code is not None:
+            if code.files:
+                staged = code_view.stage(code, data_dir / CODE_DIR, allowed)
+                for top in code.tops:
+                    mounts.append(Mount(str(staged / top), str(code.root / top)))
+                code_paths.append(str(staged))
+            if str(code.root) not in sys_path:
+                sys_path.append(str(code.root))
+        mounts += [Mount(str(p), str(p)) for p in allowed]
+        return replace(self, mounts=_ordered(mounts), sys_path=tuple(sys_path), code_paths=tuple(code_paths))
+
+
+class AppView:
+    """The guest Python with the app's code (`GuestPython.with_app`),
+    re-derived at most every `recheck` seconds, so an edit of the app is
+    copied again and reaches the next sandboxes (a new template key). An
+    edit that makes the app import a file no sandbox may see keeps the
+    previous copy (logged once): the new import then fails in the guest."""
+
+    def __init__(self, install: GuestPython, app_module: str, data_dir: Path,
+                 sandbox_paths: Sequence[str] = (), recheck: float = 2.0) -> None:
+        self.install, self.app_module, self.data_dir = install, app_module, data_dir
+        self.sandbox_paths, self.recheck = tuple(sandbox_paths), recheck
+        self._lock = threading.Lock()
+        self._current = install.with_app(app_module, data_dir, self.sandbox_paths)  # refuses to start
+        self._next_check = time.monotonic() + recheck
+        self._refused: str | None = None
+
+    def current(self) -> GuestPython:
+        with self._lock:
+            if time.monotonic() >= self._next_check:
+                try:
+                    self._current = self.install.with_app(self.app_module, self.data_dir, self.sandbox_paths)
+                    self._refused = None
+                except InvalidInput as exc:
+                    if str(exc) != self._refused:
+                        log.error("the app's code changed, but %s; sandboxes keep the code as it was", exc)
+                        self._refused = str(exc)
+                self._next_check = time.monotonic() + self.recheck
+            return self._current
+
+    def staged(self) -> set[Path]:
+        """The copies of the app's code in use (what the collector keeps)."""
+        store = self.data_dir / CODE_DIR
+        return {Path(m.source).parent for m in self.current().mounts if Path(m.source).parent.parent == store}
+
 
 def _covered(path: str, mounted: list[str]) -> bool:
     return any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounted)
 
 
-def guest_python(app_module: str | None) -> GuestPython:
+def _ordered(mounts: Iterable[Mount]) -> tuple[Mount, ...]:
+    """Parents before what is mounted inside them (each driver mounts in order)."""
+    unique = {m.target: m for m in mounts}
+    return tuple(sorted(unique.values(), key=lambda m: (len(Path(m.target).parts), m.target)))
+
+
+def _stdlib_dirs() -> list[str]:
+    paths = sysconfig.get_paths()
+    return sorted({os.path.realpath(paths[k]) for k in ("stdlib", "platstdlib") if k in paths})
+
+
+_installations: dict[Path, GuestPython] = {}
+_installations_lock = threading.Lock()
+
+
+def guest_python(data_dir: Path | None = None) -> GuestPython:
+    """The Python installation as every sandbox sees it (rule M1): /usr, the
+    interpreter's prefix, the site-packages directories on this process's
+    sys.path and tenantq's package, read-only at their host paths, with what
+    install_view hides covered by empty read-only files and directories
+    (made under `data_dir`, default the settings' data dir)."""
+    if data_dir is None:
+        from tenantq.settings import Settings
+
+        data_dir = Settings().data_dir
+    with _installations_lock:
+        cached = _installations.get(data_dir)
+        if cached is None:
+            cached = _installations[data_dir] = _installation(data_dir)
+        return cached
+
+
+def _installation(data_dir: Path) -> GuestPython:
     base = os.path.realpath(sys.base_prefix)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     executable = os.path.join(base, "bin", version)
     mounted: list[str] = list(SYSTEM_DIRS)
-    mounts: list[Mount] = []
+    trees: list[str] = []
 
     def add(path: str) -> None:
         real = os.path.realpath(path)
-        if os.path.exists(real) and not _covered(real, mounted):
-            mounted.append(real)
-            mounts.append(Mount(real, real))
+        if os.path.exists(real) and not _covered(real, trees):
+            trees.append(real)
 
-    add(base)
+    # the installation as trees to mount and scan; under /usr (the system's
+    # Python) its standard library and site directories are the trees
+    for path in ([base] if not _covered(base, mounted) else _stdlib_dirs()):
+        add(path)
     site_dirs = [os.path.realpath(p) for p in sys.path if p.endswith("site-packages") and os.path.isdir(p)]
     for site_dir in site_dirs:
         add(site_dir)
-    sys_path: list[str] = []
     tenantq_parent = str(Path(__file__).resolve().parent.parent.parent)
     add(str(Path(tenantq_parent) / "tenantq"))
-    sys_path.append(tenantq_parent)
-    code_paths = [str(Path(tenantq_parent) / "tenantq")]
-    if app_module:
-        top = app_module.split(".")[0]
-        spec = importlib.util.find_spec(top)
-        if spec is not None and spec.origin not in (None, "built-in", "frozen"):
-            if spec.submodule_search_locations:  # a package: mount its directory
-                location = os.path.realpath(next(iter(spec.submodule_search_locations)))
-            else:  # a single-file module: mount only that file
-                location = os.path.realpath(spec.origin or "")
-            add(location)
-            sys_path.append(os.path.dirname(location))
-            code_paths.append(location)
-    return GuestPython(executable, tuple(mounts), tuple(sys_path), tuple(site_dirs), tuple(code_paths))
+    masks = mask_sources(data_dir)
+    mounts = [Mount(t, t) for t in trees if not _covered(t, mounted)]
+    mounts += [Mount(str(masks[is_dir]), path) for path, is_dir in install_view.hidden(trees, site_dirs)]
+    return GuestPython(executable, _ordered(mounts), (tenantq_parent,), tuple(site_dirs),
+                       (str(Path(tenantq_parent) / "tenantq"),))
+
+
+def mask_sources(data_dir: Path) -> dict[bool, Path]:
+    """An empty read-only file and directory to cover what a sandbox must not
+    see ({False: file, True: directory})."""
+    masks = data_dir / CODE_DIR / "masks"
+    masks.mkdir(parents=True, exist_ok=True)
+    empty_file, empty_dir = masks / "file", masks / "dir"
+    if not empty_file.exists():
+        empty_file.touch()
+    empty_dir.mkdir(exist_ok=True)
+    os.chmod(empty_file, 0o444)
+    os.chmod(empty_dir, 0o555)
+    return {False: empty_file, True: empty_dir}
 
 
 def check_mounts(mounts: tuple[Mount, ...]) -> None:
@@ -104,6 +226,10 @@ def check_mounts(mounts: tuple[Mount, ...]) -> None:
 def build_skeleton(base_dir: Path, mounts: tuple[Mount, ...]) -> Path:
     """A read-only root: empty mount points, merged-/usr symlinks, a minimal
     /etc. Built once per set of mount targets and shared by sandboxes."""
+    # only the outermost mounts need a mount point here: one inside another
+    # (a mask, the app's code in a site-packages tree) has it in its parent
+    targets = [m.target for m in mounts]
+    mounts = tuple(m for m in mounts if not any(m.target != t and _covered(m.target, [t]) for t in targets))
     key = hashlib.sha256("\n".join(["v3", *sorted(f"{m.target}:{os.path.isdir(m.source)}" for m in mounts)])
                          .encode()).hexdigest()[:16]
     root = base_dir / f"rootfs-{key}"

@@ -3,9 +3,18 @@ past its TTL (workers run the same per driver on their own)."""
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
+from tenantq.sandbox import code_view
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
+from tenantq.sandbox.layout import CODE_DIR
+
+# a copy of the app's code unused this long is removed (a kept-warm sandbox
+# lives at most a day on the copy it was made with)
+CODE_COPY_SECONDS = 2 * 86400.0
 
 
 def reap_sandboxes(data_dir: Path) -> list[str]:
@@ -21,4 +30,18 @@ def reap_sandboxes(data_dir: Path) -> list[str]:
         gone += SnapshotStore(data_dir, GVisorDriver.name).gc()
     if bwrap_works():
         gone += ProcessDriver(data_dir).reap()
-    return gone
+    return gone + collect_host_files(data_dir)
+
+
+def collect_host_files(data_dir: Path, keep: Iterable[Path] = ()) -> list[str]:
+    """Copies of the app's code that no worker has used for two days (rule
+    M1), and the per-host leaf certificate files tenantq 0.x wrote under
+    egress-ca/ (now made in memory: rule E3)."""
+    removed = [f"code copy {p.name}" for p in code_view.collect(
+        data_dir / CODE_DIR, {*keep, data_dir / CODE_DIR / "masks"}, older_than=CODE_COPY_SECONDS,
+        now=time.time())]
+    for leaf in (data_dir / "egress-ca").glob("*/leaf-*.pem"):
+        with contextlib.suppress(OSError):
+            leaf.unlink()
+            removed.append(f"leaf certificate file {leaf.name}")
+    return removed

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tenantq.sandbox.digests import DIGESTS
 from tenantq.sandbox.layout import GuestPython
 from tenantq.sandbox.spec import SandboxSpec
 
@@ -69,36 +70,6 @@ class Template:
         return sum(f.stat().st_size for f in self.image.rglob("*") if f.is_file())
 
 
-class _FileDigests:
-    """Content hashes of files, recomputed only when size or mtime change."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[int, int, str]] = {}
-
-    def tree(self, root: str) -> str:
-        digest = hashlib.sha256()
-        paths = [root] if os.path.isfile(root) else sorted(
-            os.path.join(d, f) for d, dirs, files in os.walk(root)
-            if "__pycache__" not in d for f in files if not f.endswith((".pyc", ".pyo")))
-        for path in paths:
-            digest.update(f"{os.path.relpath(path, root)}\0{self.file(path)}\n".encode())
-        return digest.hexdigest()
-
-    def file(self, path: str) -> str:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return "missing"
-        cached = self._cache.get(path)
-        if cached is not None and cached[:2] == (st.st_size, st.st_mtime_ns):
-            return cached[2]
-        with open(path, "rb") as fh:
-            value = hashlib.sha256(fh.read()).hexdigest()
-        self._cache[path] = (st.st_size, st.st_mtime_ns, value)
-        return value
-
-
-_DIGESTS = _FileDigests()
 _RUNTIME_VERSIONS: dict[str, str] = {}
 
 
@@ -120,7 +91,7 @@ def template_key(app: str, guest: GuestPython, spec: SandboxSpec, driver: str, r
         "executable": guest.executable,
         "limits": [spec.memory_mb, spec.cpus, spec.max_pids, spec.tmp_mb, spec.work_mb],
         "mounts": sorted(f"{m.source}:{m.target}" for m in spec.mounts),
-        "code": {path: _DIGESTS.tree(path) for path in guest.code_paths},
+        "code": {path: DIGESTS.tree(path) for path in guest.code_paths},
         # installed distributions: their dist-info names carry the versions
         "deps": {d: sorted(n for n in os.listdir(d) if n.endswith((".dist-info", ".egg-info", ".pth")))
                  for d in guest.site_dirs if os.path.isdir(d)},

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -38,13 +37,16 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tenantq.errors import InvalidInput
+from tenantq.sandbox import code_view
+from tenantq.sandbox.digests import DIGESTS
 from tenantq.sandbox.hostside import META_FILE
 from tenantq.sandbox.layout import guest_python
-from tenantq.sandbox.snapshots import _DIGESTS, _flock
+from tenantq.sandbox.snapshots import _flock
 from tenantq.sandbox.spec import Mount
 
 BUILTIN = ("base", "code-interpreter")
@@ -66,11 +68,14 @@ class TemplateDef:
     base: str | None = "base"
     requirements: str = ""
     warmup: str | None = None
-    # the warmup's code on the host when the template was created (copied
-    # into the layer) and its digest then: a template changes only when
-    # `tenantq template create` runs again
+    # the warmup's code on the host when the template was created: the app
+    # root, the files copied into the layer (the warmup module's import
+    # closure and --sandbox-path files, relative to the root: rule M1) and
+    # their digest then; a template changes only when `tenantq template
+    # create` runs again
     code: str | None = None
     code_digest: str | None = None
+    files: tuple[str, ...] = ()
     created: float = field(default=0.0, compare=False)
 
     @property
@@ -156,8 +161,13 @@ def definition(data_dir: Path, name: str) -> TemplateDef:
         return _builtin(name)
     try:
         raw = json.loads((templates_dir(data_dir) / name / "template.json").read_text())
+        if raw.get("code") and "files" not in raw:
+            raise InvalidInput(f"template {name!r} was made by an earlier tenantq, which copied its warmup's "
+                               f"whole package into it (settings and keys too): run tenantq template create "
+                               f"{name} again")
         return TemplateDef(name=name, base=raw.get("base"), requirements=str(raw.get("requirements") or ""),
                            warmup=raw.get("warmup"), code=raw.get("code"), code_digest=raw.get("code_digest"),
+                           files=tuple(str(f) for f in raw.get("files") or ()),
                            created=float(raw.get("created") or 0.0))
     except FileNotFoundError:
         known = ", ".join(d.name for d in definitions(data_dir))
@@ -179,12 +189,13 @@ def definitions(data_dir: Path) -> list[TemplateDef]:
     return [_builtin(n) for n in BUILTIN] + custom
 
 
-def _warmup_code(warmup: str | None) -> str | None:
-    """The host path of the warmup's top-level package or module (copied
-    into the layer), or None when it is to be found in the requirements."""
+def _warmup_code(warmup: str | None, sandbox_paths: Sequence[str]) -> code_view.AppCode | None:
+    """The warmup module's checked import closure and the operator's paths
+    (copied into the layer: rule M1), or None when the module is to be found
+    in the requirements."""
     if warmup is None:
         return None
-    top = warmup.split(":")[0].split(".")[0]
+    module = warmup.split(":")[0]
     # looked up as `python -m` would: the current directory first (the
     # installed `tenantq` script's sys.path does not have it)
     cwd = os.getcwd()
@@ -192,21 +203,17 @@ def _warmup_code(warmup: str | None) -> str | None:
     if added:
         sys.path.insert(0, cwd)
     try:
-        return _found(top)
+        code, allowed = guest_python().app_code(module, sandbox_paths)
     finally:
         if added:
             with contextlib.suppress(ValueError):
                 sys.path.remove(cwd)
+    return code_view.with_paths(code, allowed) if code is not None and code.files else None
 
 
-def _found(top: str) -> str | None:
-    with contextlib.suppress(ImportError, ValueError):
-        spec = importlib.util.find_spec(top)
-        if spec is not None and spec.origin not in (None, "built-in", "frozen"):
-            if spec.submodule_search_locations:
-                return os.path.realpath(next(iter(spec.submodule_search_locations)))
-            return os.path.realpath(spec.origin or "")
-    return None
+def _digest(root: str, files: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(f"{f}\0{DIGESTS.file(os.path.join(root, f))}" for f in files)
+                          .encode()).hexdigest()
 
 
 def _layer_key(defn: TemplateDef, under: str) -> str:
@@ -242,17 +249,14 @@ def _build_layer(layer: Path, defn: TemplateDef) -> None:
                     why = (done.stderr.strip() or done.stdout.strip()).splitlines()
                     raise InvalidInput(f"template {defn.name!r}: pip could not install its requirements: "
                                        f"{why[-1] if why else 'exit ' + str(done.returncode)}")
-            code = defn.code
-            if code is not None:
-                if not os.path.exists(code) or _DIGESTS.tree(code) != defn.code_digest:
+            if defn.code is not None:
+                if _digest(defn.code, defn.files) != defn.code_digest:
                     raise InvalidInput(f"template {defn.name!r} must be rebuilt (for this Python) but its "
-                                       f"warmup's code at {code} is gone or changed: run tenantq template "
-                                       f"create {defn.name} again")
-                target = staging / "code" / os.path.basename(code)
-                if os.path.isdir(code):
-                    shutil.copytree(code, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-                else:
-                    shutil.copy2(code, target)
+                                       f"warmup's code under {defn.code} is gone or changed: run tenantq "
+                                       f"template create {defn.name} again")
+                root = Path(defn.code)
+                code_view.copy_into(code_view.AppCode(root, {root / f: None for f in defn.files}),
+                                    staging / "code")
             os.chmod(staging, 0o755)
             staging.rename(layer)
         finally:
@@ -289,7 +293,7 @@ def resolve(data_dir: Path, name: str, *, build: bool = True) -> Resolved:
 
 
 def create(data_dir: Path, name: str, *, base: str = "base", requirements: str = "",
-           warmup: str | None = None) -> tuple[Resolved, bool]:
+           warmup: str | None = None, sandbox_paths: Sequence[str] = ()) -> tuple[Resolved, bool]:
     """Define (or redefine) template `name` and build its layer; returns it
     and whether anything was built (False: up to date)."""
     check_name(name)
@@ -315,7 +319,7 @@ def create(data_dir: Path, name: str, *, base: str = "base", requirements: str =
     check_requirements(requirements)
     if warmup is not None and not WARMUP.fullmatch(warmup):
         raise InvalidInput(f"--warmup takes MODULE:FUNCTION, e.g. myapp.warm:load, got {warmup!r}")
-    code = _warmup_code(warmup)
+    code = _warmup_code(warmup, sandbox_paths)
     if warmup is not None and code is None and not requirements.strip():
         raise InvalidInput(f"cannot find the warmup's module {warmup.split(':')[0]!r} here (it must be "
                            "importable from the current directory or PYTHONPATH, or be installed by "
@@ -325,8 +329,10 @@ def create(data_dir: Path, name: str, *, base: str = "base", requirements: str =
     previous = None
     with contextlib.suppress(InvalidInput):
         previous = resolve(data_dir, name, build=False)
-    defn = TemplateDef(name, base=base, requirements=requirements, warmup=warmup, code=code,
-                       code_digest=_DIGESTS.tree(code) if code else None, created=time.time())
+    files = tuple(sorted(str(p.relative_to(code.root)) for p in code.files)) if code else ()
+    root = str(code.root) if code else None
+    defn = TemplateDef(name, base=base, requirements=requirements, warmup=warmup, code=root,
+                       code_digest=_digest(root, files) if root else None, files=files, created=time.time())
     staging = path / f".template-{uuid.uuid4().hex[:8]}.json"
     staging.write_text(json.dumps({k: v for k, v in asdict(defn).items() if k != "name"}))
     old = path / "template.json"
@@ -391,4 +397,4 @@ def remove(data_dir: Path, name: str) -> bool:
 def python_path(resolved: Resolved) -> list[str]:
     """PYTHONPATH inside a sandbox of this template: its layers, then
     tenantq's code (the agent's)."""
-    return [*resolved.python_path, *guest_python(None).sys_path]
+    return [*resolved.python_path, *guest_python().sys_path]

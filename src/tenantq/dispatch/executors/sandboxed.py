@@ -21,7 +21,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,7 +37,8 @@ from tenantq.host_functions import Caller, CallGate
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.sandbox.layout import GuestPython, guest_python
+from tenantq.sandbox.layout import AppView, GuestPython, guest_python
+from tenantq.sandbox.reaper import collect_host_files
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
 from tenantq.secrets import SecretsProvider
@@ -61,12 +62,17 @@ class SandboxExecutor:
                  policy: WarmPolicy | None = None, egress: EgressConfig | None = None,
                  secrets: SecretsProvider | None = None,
                  tmp_mb: int = 64, work_mb: int = 128, max_pids: int = 512, cpus: float = 1.0,
-                 app_db: AppDatabase | None = None) -> None:
+                 app_db: AppDatabase | None = None, sandbox_paths: Sequence[str] = ()) -> None:
         self.driver = driver
         self.name = driver.name
         self.registry = registry
         self.app_module = app_module
-        self.guest: GuestPython = guest_python(app_module)
+        # rule M1: the installation (what the guest needs of it) and the app's
+        # import closure, copied; InvalidInput (the worker does not start)
+        # when that would put a settings file, a key... in a sandbox
+        self.app_view = AppView(guest_python(driver.data_dir), app_module, driver.data_dir, sandbox_paths,
+                                recheck=KEY_RECHECK_SECONDS)
+        self.guest: GuestPython = self.app_view.current()
         # kinds registered isolation='inline' run here, and only they get ctx.db()
         self.inline = InlineExecutor(registry, app_db=app_db)
         # the session running each job of a live batch, for cancel()
@@ -106,14 +112,14 @@ class SandboxExecutor:
         cached = self._keys.get(limits)
         if cached is not None and now < cached[0]:
             return cached[1]
-        key = template_key(self.app_module, self.guest, spec, self.name, self.runtime)
+        key = template_key(self.app_module, self.app_view.current(), spec, self.name, self.runtime)
         self._keys[limits] = (now + KEY_RECHECK_SECONDS, key)
         return key
 
     def spec(self, tenant: str, ttl: float, labels: dict[str, str] | None = None) -> SandboxSpec:
         return SandboxSpec(tenant=tenant, memory_mb=self.memory_mb, cpus=self.cpus, max_pids=self.max_pids,
                            ttl_seconds=ttl, tmp_mb=self.tmp_mb, work_mb=self.work_mb,
-                           mounts=self.guest.mounts, labels=labels or {})
+                           mounts=self.app_view.current().mounts, labels=labels or {})
 
     def run(self, batch: Batch, *, env: Mapping[str, str], report: Report,
             should_stop: Callable[[], bool]) -> None:
@@ -150,7 +156,8 @@ class SandboxExecutor:
             current = {self.template_key(self.spec("template", 0))}
         except OSError:
             current = set()
-        return gone + self.store.gc(current=current)
+        return gone + self.store.gc(current=current) + collect_host_files(self.driver.data_dir,
+                                                                           self.app_view.staged())
 
     def close(self) -> None:
         self.warm.close()
