@@ -13,9 +13,12 @@ A value may instead be injected by the host, never entering the sandbox:
                                         "header": "Authorization", "format": "Bearer {value}"}}}}
 
 The sandbox's STRIPE_KEY is then a per-batch placeholder; the batch's egress
-proxy swaps in the value (and sets the header) on HTTPS requests to hosts
-matching `host` (an egress rule), and blocks any request that carries the
-placeholder anywhere else.
+proxy sets `header` to `format` with the value on HTTPS requests to hosts
+matching `host` (an egress rule), refuses any request that carries the
+placeholder anywhere else, and cuts a response that holds the value
+(docs/security.md, rule E2). `header` is required; the value is 8 to 4,096
+printable ASCII characters (the proxy looks for it in responses: a shorter
+one would be found by chance).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class InjectedSecret:
     name: str
     value: str
     rule: Rule
-    header: str | None = None
+    header: str
     template: str = "{value}"
 
 
@@ -120,12 +123,18 @@ def _injected(name: str, spec: dict[str, Any], where: str) -> InjectedSecret:
     value, inject = spec.get("value"), spec.get("inject")
     if not isinstance(value, str) or not isinstance(inject, dict) or not isinstance(inject.get("host"), str):
         raise InvalidInput(f"{where}: an injected secret is "
-                           "{value: str, inject: {host: rule, header?, format?}}")
+                           "{value: str, inject: {host: rule, header: name, format?}}")
+    rule = parse_rule(inject["host"])
     header, template = inject.get("header"), inject.get("format", "{value}")
-    if header is not None and (not isinstance(header, str) or not HEADER_NAME.match(header)):
-        raise InvalidInput(f"{where}: inject.header must be an HTTP header name")
+    if not isinstance(header, str) or not HEADER_NAME.match(header):
+        raise InvalidInput(f"{where}: inject.header must be an HTTP header name (the only place the value "
+                           "is written)")
     if not isinstance(template, str) or "{value}" not in template:
         raise InvalidInput(f"{where}: inject.format must contain {{value}}")
     if any(c in value + template for c in "\r\n\0"):
         raise InvalidInput(f"{where}: an injected value cannot contain line breaks")
-    return InjectedSecret(name, value, parse_rule(inject["host"]), header, template)
+    if not 8 <= len(value) <= 4096 or not all(" " < c < "\x7f" for c in value) \
+            or not all(" " <= c < "\x7f" for c in template):
+        raise InvalidInput(f"{where}: an injected value is 8 to 4096 printable ASCII characters without "
+                           "spaces, and its format printable ASCII")
+    return InjectedSecret(name, value, rule, header, template)

@@ -64,6 +64,10 @@ class Settings(BaseSettings):
         description="A CA file the egress proxy trusts for upstream TLS besides the system's (private CAs).",
     )
 
+    egress_max_names_per_batch: int = Field(
+        default=256, ge=1, le=100_000,
+        description="Distinct host names one batch's egress may ask for; past it a new name is refused "
+                    "before DNS (rule E3 of docs/security.md).")
     pool_size: int = Field(
         default=2, ge=0, le=64,
         description="Sandbox API: ready sandboxes kept per template (and driver and limits) by a "

@@ -1,10 +1,12 @@
-"""Host-side credential injection on real sockets: the proxy terminates TLS
-with the tenant's CA, swaps the placeholder for the secret only on requests
-to the secret's host (over TLS it verifies upstream), and blocks the
-placeholder anywhere else."""
+"""Host-side credential injection on real sockets (rule E2): the proxy
+terminates TLS with the tenant's CA, writes the secret into its header only,
+on requests to the secret's host (over TLS it verifies upstream), refuses the
+placeholder anywhere else, and cuts a response that echoes the value."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import socket
 import ssl
@@ -19,6 +21,19 @@ from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
 from tenantq.egress.tls import TenantCA, upstream_context
 from tests.egress.servers import EchoHeaders, serving
 
+
+class HashedHeaders(EchoHeaders):
+    """Echoes the headers it got, the Authorization header as its SHA-256
+    (an echo of the value itself is cut by the proxy)."""
+
+    def body(self) -> bytes:
+        server = self.server
+        headers = dict(self.headers)
+        auth = headers.pop("Authorization", None)
+        digest = hashlib.sha256(auth.encode()).hexdigest() if auth else None
+        return json.dumps({"server": getattr(server, "name", "?"), "headers": headers,
+                           "auth_sha256": digest}).encode()
+
 SECRET = "sk_live_real_value_never_in_the_sandbox"
 PLACEHOLDER = "tenantq-placeholder-API_KEY-0123456789abcdef"
 
@@ -31,8 +46,10 @@ def upstream_ca(tmp_path: Path) -> TenantCA:
 
 @pytest.fixture
 def https_servers(upstream_ca: TenantCA) -> Iterator[dict[str, int]]:
-    with serving(("stripe", "elsewhere"), EchoHeaders, tls=upstream_ca.server_context("127.0.0.1")) as ports:
-        yield ports
+    tls = upstream_ca.server_context("127.0.0.1")
+    with serving(("stripe", "elsewhere"), HashedHeaders, tls=tls) as ports:
+        with serving(("echo",), EchoHeaders, tls=tls) as echo:
+            yield {**ports, **echo}
 
 
 @pytest.fixture
@@ -42,7 +59,8 @@ def proxy(tmp_path: Path, upstream_ca: TenantCA, https_servers: dict[str, int]) 
     tenant_ca = TenantCA(tmp_path / "cas", "acme")
     injection = Injection("API_KEY", SECRET, PLACEHOLDER, parse_rule(f"127.0.0.1:{stripe}"),
                           header="Authorization", template="Bearer {value}")
-    policy = EgressPolicy("acme", parse_rules(f"127.0.0.1:{stripe},127.0.0.1:{elsewhere}"))
+    policy = EgressPolicy("acme", parse_rules(f"127.0.0.1:{stripe},127.0.0.1:{elsewhere},"
+                                              f"127.0.0.1:{https_servers['echo']}"))
     opened = hub.open(tmp_path / "p.sock", policy, lambda: (3, None), injections=(injection,), ca=tenant_ca)
     opened.tenant_ca = tenant_ca  # type: ignore[attr-defined]
     yield opened
@@ -62,21 +80,43 @@ def _https_get(proxy: BatchProxy, port: int, headers: dict[str, str]) -> tuple[i
         lines = ["GET /charge HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers.items())]
         tls.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
         data = b""
-        while chunk := tls.recv(65536):
-            data += chunk
+        with contextlib.suppress(ssl.SSLError, ConnectionResetError):  # a cut response ends abruptly
+            while chunk := tls.recv(65536):
+                data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ")[1]), body.decode()
+    return int(head.split(b" ")[1]) if head else 0, body.decode()
 
 
-def test_the_secret_is_injected_only_for_its_host(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
-    status, body = _https_get(proxy, https_servers["stripe"], {"X-Api-Key": PLACEHOLDER})
+def test_the_secret_is_written_into_its_header_only(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
+    expected = hashlib.sha256(f"Bearer {SECRET}".encode()).hexdigest()
+    status, body = _https_get(proxy, https_servers["stripe"], {"Authorization": f"Bearer {PLACEHOLDER}"})
     assert status == 200, body
-    seen = json.loads(body)["headers"]
-    assert seen["Authorization"] == f"Bearer {SECRET}"
-    assert seen["X-Api-Key"] == SECRET, "the placeholder is swapped wherever it is in the head"
+    assert json.loads(body)["auth_sha256"] == expected, "the header is replaced whole, with the value"
     # without the placeholder the header is still set for that host
     status, body = _https_get(proxy, https_servers["stripe"], {})
-    assert json.loads(body)["headers"]["Authorization"] == f"Bearer {SECRET}"
+    assert json.loads(body)["auth_sha256"] == expected
+    assert SECRET not in body
+
+
+def test_the_placeholder_elsewhere_in_the_head_is_refused(proxy: BatchProxy,
+                                                          https_servers: dict[str, int]) -> None:
+    for headers in ({"X-Api-Key": PLACEHOLDER}, {"X-Debug": PLACEHOLDER.upper()},
+                    {"X-Debug": "".join(f"%{b:02x}" for b in PLACEHOLDER.encode())}):
+        status, body = _https_get(proxy, https_servers["stripe"], headers)
+        assert status == 403, body
+        assert "placeholder of secret API_KEY may only be sent in its Authorization header" in body
+    assert SECRET not in json.dumps(proxy.stats.blocks)
+
+
+def test_a_response_that_echoes_the_value_is_cut(proxy: BatchProxy, https_servers: dict[str, int]) -> None:
+    """An upstream that echoes the headers it got (here one the secret's rule
+    matches) never hands the value to the sandbox."""
+    echo = https_servers["echo"]
+    proxy.injections = (*proxy.injections, Injection("ECHOED", SECRET, PLACEHOLDER + "e",
+                                                       parse_rule(f"127.0.0.1:{echo}"), header="X-Key"))
+    _, body = _https_get(proxy, echo, {})
+    assert SECRET not in body
+    assert any("held the value of secret ECHOED" in b["reason"] for b in proxy.stats.blocks)
 
 
 def test_the_placeholder_to_another_host_is_blocked(proxy: BatchProxy, https_servers: dict[str, int]) -> None:

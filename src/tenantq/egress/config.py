@@ -17,10 +17,13 @@ class EgressConfig:
     allow_networks: tuple[str, ...] = ()
     # one more CA file to trust for upstream TLS; TENANTQ_EGRESS_UPSTREAM_CA
     upstream_ca: str | None = None
+    # distinct host names one batch may ask for (rule E3); TENANTQ_EGRESS_MAX_NAMES_PER_BATCH
+    max_names_per_batch: int = 256
 
     @classmethod
     def from_settings(cls) -> EgressConfig:
         from tenantq.settings import Settings
 
         settings = Settings()
-        return cls(tuple(settings.egress_networks()), settings.egress_upstream_ca)
+        return cls(tuple(settings.egress_networks()), settings.egress_upstream_ca,
+                   settings.egress_max_names_per_batch)

@@ -26,14 +26,16 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from tenantq.egress.guard import AddressGuard as AddressGuard  # re-exported: callers import it from here
-from tenantq.egress.inject import Injection, inject_head, smuggled
+from tenantq.egress.inject import Injection, inject_head, request_guard, response_guard, smuggled
 from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
+from tenantq.egress.stream_guard import Found, StreamGuard
 from tenantq.egress.tls import TenantCA, upstream_context
 
 HEADER_LIMIT = 64 * 1024
@@ -44,6 +46,8 @@ MAX_OPEN_STREAMS = 256
 HEADER_TIMEOUT_SECONDS = 10.0
 CONNECT_TIMEOUT_SECONDS = 10.0
 MAX_RECORDED_BLOCKS = 50
+# distinct host names one batch may ask for (rule E3); TENANTQ_EGRESS_MAX_NAMES_PER_BATCH
+MAX_NAMES_PER_BATCH = 256
 CHUNK = 64 * 1024
 _PRINTABLE = re.compile(r"[^\x21-\x7e]")
 # (job id, the handler's narrowing rules or None) of the job running now
@@ -69,7 +73,8 @@ class BatchProxy:
     def __init__(self, path: Path, policy: EgressPolicy, guard: AddressGuard, current_job: CurrentJob,
                  on_event: Callable[[str, str, int], None] | None = None,
                  injections: tuple[Injection, ...] = (), ca: TenantCA | None = None,
-                 upstream_tls: ssl.SSLContext | None = None) -> None:
+                 upstream_tls: ssl.SSLContext | None = None, max_names: int = MAX_NAMES_PER_BATCH,
+                 tls_pool: Executor | None = None) -> None:
         self.path = path
         # with injected secrets every CONNECT is intercepted (TLS terminated
         # with the tenant's CA), so no request can smuggle a placeholder
@@ -84,6 +89,11 @@ class BatchProxy:
         self.server: asyncio.AbstractServer | None = None
         # open streams, cut when the batch ends (a later batch never inherits one)
         self.streams: set[asyncio.StreamWriter] = set()
+        # the distinct host names this batch asked for (rule E3: at most max_names)
+        self.names: set[str] = set()
+        self.max_names = max_names
+        # where leaf certificates are made: never on the loop all proxies share
+        self.tls_pool = tls_pool
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self.streams) >= MAX_OPEN_STREAMS:
@@ -119,6 +129,13 @@ class BatchProxy:
             scope = "its handler" if self.policy.allows(host, port) else f"tenant {self.policy.tenant}"
             await self._block(writer, job_id, shown, f"{shown} is not allowed for {scope}")
             return
+        if host not in self.names:
+            if len(self.names) >= self.max_names:
+                # before DNS and before a certificate is made (rule E3)
+                await self._block(writer, job_id, shown, f"{shown}: more than {self.max_names} host names in "
+                                                         "one batch")
+                return
+            self.names.add(host)
         try:
             infos = await asyncio.wait_for(
                 asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
@@ -136,7 +153,7 @@ class BatchProxy:
             await self._intercept(reader, writer, host, port, usable, job_id, shown)
             return
         if method != "CONNECT" and self.injections:
-            reason = self._smuggled(head, host, port, tls=False)
+            reason = smuggled(self.injections, head, host, port, tls=False)
             if reason is not None:
                 await self._block(writer, job_id, shown, reason)
                 return
@@ -145,11 +162,14 @@ class BatchProxy:
             await _reply(writer, 502, f"tenantq egress: cannot connect to {shown}")
             return
         up_reader, up_writer = self._allowed(upstream)
+        out_guard = None
         if method == "CONNECT":
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
             up_writer.write(_origin_form(method, path, lines[1:]))
-        await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=False)
+            # a tenant with injected secrets: the body may not carry a placeholder either
+            out_guard = request_guard(self.injections, head) if self.injections else None
+        await self._relay(reader, writer, up_reader, up_writer, job_id, shown, out_guard, None)
 
     def _allowed(self, upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
                  ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -161,31 +181,47 @@ class BatchProxy:
         return upstream
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, host: str, port: int,
-                     job_id: int | None, shown: str, *, tls: bool) -> None:
-        def check(data: bytes) -> str | None:
-            return self._smuggled(data, host, port, tls=tls) if self.injections else None
-
+                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, job_id: int | None,
+                     shown: str, out_guard: StreamGuard | None, in_guard: StreamGuard | None) -> None:
+        """Copy both ways until both ends close; a guard that finds what must
+        not pass cuts both (rule E2) and the batch gets an egress block."""
+        tasks = {asyncio.ensure_future(self._pipe(reader, up_writer, "out", out_guard)),
+                 asyncio.ensure_future(self._pipe(up_reader, writer, "in", in_guard))}
         try:
-            out = self._pipe(reader, up_writer, "out", check)
-            blocked = await asyncio.gather(out, self._pipe(up_reader, writer, "in"))
-            if blocked[0]:
-                await self._record_block(job_id, shown, blocked[0])
-                writer.close()
+            while tasks:
+                done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    reason = task.result()
+                    if reason is not None:
+                        # recorded first: the job may look as soon as its connection ends
+                        await self._record_block(job_id, shown, reason)
+                        writer.close()
+                        up_writer.close()
         finally:
+            for task in tasks:
+                task.cancel()
             self.streams.discard(up_writer)
             up_writer.close()
 
     async def _intercept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str,
                          port: int, usable: list[str], job_id: int | None, shown: str) -> None:
         """Terminate the tunnel's TLS with the tenant's CA, inject secrets
-        into the request head, and forward it over verified TLS."""
+        into their headers, and forward over verified TLS, both directions
+        guarded (rule E2)."""
         assert self.ca is not None
+        # made off the loop every batch's proxy shares (rule E3), before the
+        # client may start its handshake
+        loop = asyncio.get_running_loop()
+        context = await loop.run_in_executor(self.tls_pool, self.ca.server_context, host)
+        # the ClientHello must reach the TLS layer, not this stream's buffer
+        transport = writer.transport
+        assert isinstance(transport, asyncio.ReadTransport)
+        transport.pause_reading()
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
-        await writer.start_tls(self.ca.server_context(host))
+        await writer.start_tls(context)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_SECONDS)
-        injected = self._inject(head, host, port)
+        injected = inject_head(self.injections, head, host, port)
         if isinstance(injected, str):
             await self._block(writer, job_id, shown, injected)
             return
@@ -195,13 +231,8 @@ class BatchProxy:
             return
         up_reader, up_writer = self._allowed(upstream)
         up_writer.write(injected)
-        await self._relay(reader, writer, up_reader, up_writer, host, port, job_id, shown, tls=True)
-
-    def _smuggled(self, data: bytes, host: str, port: int, *, tls: bool) -> str | None:
-        return smuggled(self.injections, data, host, port, tls=tls)
-
-    def _inject(self, head: bytes, host: str, port: int) -> bytes | str:
-        return inject_head(self.injections, head, host, port)
+        guards = request_guard(self.injections, injected), response_guard(self.injections, host, port)
+        await self._relay(reader, writer, up_reader, up_writer, job_id, shown, *guards)
 
     async def _connect(self, addresses: list[str], port: int, *, tls_host: str | None = None,
                        ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
@@ -218,34 +249,34 @@ class BatchProxy:
         return None
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str,
-                    check: Callable[[bytes], str | None] | None = None) -> str | None:
-        """Copy until EOF; with `check`, stop (returning why) at data that must not pass."""
-        longest = max((len(i.placeholder) for i in self.injections), default=1)
-        carry = b""
+                    guard: StreamGuard | None = None) -> str | None:
+        """Copy until EOF; with a guard, stop (returning why, `dst` left open
+        for the caller to record it first) at what must not pass."""
         try:
-            while chunk := await src.read(CHUNK):
-                if check is not None:
-                    # the previous chunk's tail too: a placeholder split across reads
-                    reason = check(carry + chunk)
-                    if reason is not None:
-                        return reason
-                    carry = (carry + chunk)[-longest:]
-                dst.write(chunk)
-                await dst.drain()
+            while True:
+                chunk = await src.read(CHUNK)
                 if direction == "out":
                     self.stats.bytes_out += len(chunk)
                 else:
                     self.stats.bytes_in += len(chunk)
-                if self.on_event:
+                if self.on_event and chunk:
                     self.on_event("bytes", direction, len(chunk))
+                try:
+                    passing = chunk if guard is None else guard.feed(chunk) if chunk else guard.end()
+                except Found as found:
+                    return found.reason
+                if passing:
+                    dst.write(passing)
+                    await dst.drain()
+                if not chunk:
+                    break
         except (OSError, asyncio.IncompleteReadError):
             pass
-        finally:
-            with contextlib.suppress(OSError, RuntimeError, AttributeError):
-                if dst.can_write_eof():
-                    dst.write_eof()
-                else:  # TLS cannot half-close: the other side learns of the end by a close
-                    dst.close()
+        with contextlib.suppress(OSError, RuntimeError, AttributeError):
+            if dst.can_write_eof():
+                dst.write_eof()
+            else:  # TLS cannot half-close: the other side learns of the end by a close
+                dst.close()
         return None
 
     async def _block(self, writer: asyncio.StreamWriter, job_id: int | None, host: str, reason: str) -> None:
@@ -326,9 +357,13 @@ def bound_socket(path: Path) -> socket.socket:
 class EgressHub:
     """One event loop thread serving every batch proxy of this dispatcher."""
 
-    def __init__(self, guard: AddressGuard | None = None, upstream_tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, guard: AddressGuard | None = None, upstream_tls: ssl.SSLContext | None = None,
+                 max_names: int = MAX_NAMES_PER_BATCH) -> None:
         self.guard = guard or AddressGuard()
         self.upstream_tls = upstream_tls
+        self.max_names = max_names
+        # leaf certificates are made here, not on the loop (rule E3)
+        self.tls_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tenantq-egress-tls")
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="tenantq-egress", daemon=True)
         self._thread.start()
@@ -337,7 +372,8 @@ class EgressHub:
              on_event: Callable[[str, str, int], None] | None = None,
              injections: tuple[Injection, ...] = (), ca: TenantCA | None = None) -> BatchProxy:
         """Listen on `path` (a new socket the sandbox's uid may connect to)."""
-        proxy = BatchProxy(path, policy, self.guard, current_job, on_event, injections, ca, self.upstream_tls)
+        proxy = BatchProxy(path, policy, self.guard, current_job, on_event, injections, ca, self.upstream_tls,
+                           self.max_names, self.tls_pool)
 
         async def start() -> None:
             proxy.server = await asyncio.start_unix_server(proxy.handle, sock=bound_socket(path),
@@ -365,3 +401,4 @@ class EgressHub:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+        self.tls_pool.shutdown(wait=False, cancel_futures=True)

@@ -48,7 +48,7 @@ def _get_hub(config: object | None = None) -> EgressHub:
     with _lock:
         if config not in _hubs:
             _hubs[config] = EgressHub(AddressGuard(config.allow_networks),
-                                      upstream_context(config.upstream_ca))
+                                      upstream_context(config.upstream_ca), config.max_names_per_batch)
         return _hubs[config]
 
 

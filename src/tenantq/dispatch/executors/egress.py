@@ -46,7 +46,7 @@ class EgressProxies:
             if self._hub is None:
                 config = self._config or EgressConfig.from_settings()
                 guard = AddressGuard(config.allow_networks)
-                self._hub = EgressHub(guard, upstream_context(config.upstream_ca))
+                self._hub = EgressHub(guard, upstream_context(config.upstream_ca), config.max_names_per_batch)
             return self._hub
 
     def open(self, sandbox: Sandbox, batch: Batch, running_now: Callable[[], int | None],
