@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import socket
 import ssl
@@ -35,6 +34,7 @@ from urllib.parse import urlsplit
 from tenantq.egress.guard import AddressGuard as AddressGuard  # re-exported: callers import it from here
 from tenantq.egress.inject import Injection, inject_head, request_guard, response_guard, smuggled
 from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
+from tenantq.egress.sockets import bound_socket
 from tenantq.egress.stream_guard import Found, StreamGuard
 from tenantq.egress.tls import TenantCA, upstream_context
 
@@ -166,7 +166,9 @@ class BatchProxy:
         if method == "CONNECT":
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
-            up_writer.write(_origin_form(method, path, lines[1:]))
+            origin = _origin_form(method, path, lines[1:])
+            up_writer.write(origin)
+            self._sent(origin)
             # a tenant with injected secrets: the body may not carry a placeholder either
             out_guard = request_guard(self.injections, head) if self.injections else None
         await self._relay(reader, writer, up_reader, up_writer, job_id, shown, out_guard, None)
@@ -231,6 +233,7 @@ class BatchProxy:
             return
         up_reader, up_writer = self._allowed(upstream)
         up_writer.write(injected)
+        self._sent(injected)
         guards = request_guard(self.injections, injected), response_guard(self.injections, host, port)
         await self._relay(reader, writer, up_reader, up_writer, job_id, shown, *guards)
 
@@ -247,6 +250,12 @@ class BatchProxy:
             except (OSError, TimeoutError, ssl.SSLError):
                 continue
         return None
+
+    def _sent(self, head: bytes) -> None:
+        """Count a request head the proxy wrote upstream itself."""
+        self.stats.bytes_out += len(head)
+        if self.on_event:
+            self.on_event("bytes", "out", len(head))
 
     async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str,
                     guard: StreamGuard | None = None) -> str | None:
@@ -331,27 +340,6 @@ async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> Non
     writer.write(head.encode("latin-1", "replace") + body)
     with contextlib.suppress(OSError):
         await writer.drain()
-
-
-def bound_socket(path: Path) -> socket.socket:
-    """A listening Unix socket at `path`, however long the path: a socket
-    address holds at most 107 bytes, so it is bound through a short
-    /proc/self/fd/N/NAME alias of its directory."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path.name, dir_fd=dir_fd)
-        sock.bind(f"/proc/self/fd/{dir_fd}/{path.name}")
-        os.chmod(path.name, 0o666, dir_fd=dir_fd)  # the parent dir is what keeps other users out
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.close(dir_fd)
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 class EgressHub:

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from tenantq.egress.proxy import bound_socket
+from tenantq.egress.sockets import bound_socket
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.channel import Channel
 from tenantq.sandbox.hostside import HostSandbox, read_meta

@@ -25,7 +25,7 @@ import socket
 import threading
 from pathlib import Path
 
-from tenantq.egress.proxy import bound_socket
+from tenantq.egress.sockets import bound_socket
 from tenantq.guest.protocol import HEADER_BYTES, FrameError, decode_body, encode
 from tenantq.host_functions import Caller, CallGate
 
