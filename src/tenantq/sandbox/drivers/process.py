@@ -5,6 +5,15 @@ tmpfs /tmp, the work dir read-write, uid 65534 inside, and cgroup limits
 (memory, pids, CPU) on the host. Weaker than gVisor: the job's system calls
 reach the host kernel.
 
+A Sandbox API sandbox (spec.writable_root) writes to one writable layer
+instead: a tmpfs with a size and an inode count (`writable_layer`: half of
+memory_mb, one inode per 4 KiB), whose `root/` is the sandbox's `/` (so
+`/tmp`, `/work`, `/tenantq/work` are directories on it) and whose `shm/` is
+its `/dev/shm`. Every write anywhere gets ENOSPC at the quota, and `statvfs`
+of any of those paths shows it. It is mounted in a mount namespace of the
+sandbox's own, just before bwrap (LAYER_SETUP): no host path ever shows the
+guest's files, and it goes with the sandbox's last process, whoever ends it.
+
 The guest runner exits when its stdin pipe from the dispatcher reaches EOF
 (the dispatcher died), and bwrap with it; other commands run under `timeout
 -s KILL <ttl>`; the reaper kills whatever is left in the sandbox's cgroup past
@@ -52,12 +61,40 @@ from tenantq.sandbox.layout import (
 from tenantq.sandbox.spec import SandboxSpec
 
 PROCESS_MAX_PIDS = 64
+# An API sandbox's writable layer holds at most memory_mb // LAYER_SHARE MiB
+# in files and one file (inode) per LAYER_BYTES_PER_INODE bytes of that.
+# Its pages and inodes are charged to the sandbox's memory cgroup and outlive
+# the process that wrote them (killing it frees nothing), so the layer must
+# stay well below the limit: full, it pins at most half the limit in pages
+# plus the inodes' kernel memory (measured: 0.6 KiB for an empty file, 1.4
+# KiB for a directory with a 255-byte name; under a fifth of the limit). The
+# rest stays for processes: at the limit the kernel kills the largest, which
+# frees its memory, and the agent goes on.
+# (bwrap's own --tmpfs takes a size but no inode count: an empty-file bomb
+# there pins kernel memory until the memory cgroup kills the agent.)
+LAYER_SHARE = 2
+LAYER_BYTES_PER_INODE = 4096
+# its mount point, an empty dir in the sandbox's host-only directory
+LAYER_DIR = "layer"
+# Run by the sandbox's first host process, in the sandbox's cgroups, after
+# `unshare --mount` (a private mount namespace that only it, bwrap and the
+# sandbox share): mount the layer ($1 options, $2 name, $3 mount point) and
+# make its two directories, then become bwrap. Nothing of the guest exists
+# yet, and bwrap binds those directories by paths the guest never sees.
+LAYER_SETUP = 'mount -t tmpfs -o "$1" "$2" "$3" && mkdir -m 0755 "$3/root" && mkdir -m 1777 "$3/shm" ' \
+              '|| exit 125; shift 3; exec "$@"'
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 # Put the shell in the sandbox's cgroups, then become bwrap: everything the
 # sandbox starts is born inside the limits.
 ENTER_CGROUPS = 'IFS=:; for f in $TQ_CGROUP_PROCS; do ' \
                 'echo $$ > "$f" || exit 125; done; unset TQ_CGROUP_PROCS; exec "$@"'
+
+
+def writable_layer(memory_mb: int) -> tuple[int, int]:
+    """(MiB, inodes) of an API sandbox's writable layer with this memory limit."""
+    size_mb = memory_mb // LAYER_SHARE
+    return size_mb, (size_mb << 20) // LAYER_BYTES_PER_INODE
 
 
 class ProcessDriver:
@@ -70,6 +107,7 @@ class ProcessDriver:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.bwrap = shutil.which("bwrap") or "bwrap"
+        self.unshare = shutil.which("unshare") or "unshare"
         self.base = data_dir / "sandboxes" / self.name
 
     def create(self, spec: SandboxSpec) -> ProcessSandbox:
@@ -79,7 +117,10 @@ class ProcessDriver:
             skeleton = build_skeleton(self.data_dir / "sandboxes", spec.mounts)
             sandbox = ProcessSandbox(self, sandbox_id, path, spec, skeleton)
             # the guest's uid 65534 is the host's root mapped into its namespace
-            sandbox.mount_work_dir(0)
+            if spec.writable_root:  # its writable layer is mounted at each start (LAYER_SETUP)
+                sandbox.layer_dir.mkdir(mode=0o700)
+            else:
+                sandbox.mount_work_dir(0)
             if cgroups.available():
                 # Unlike gVisor there is no sentry or gofer to budget for, and
                 # RLIMIT_NPROC cannot help (the guest is root on the host,
@@ -117,7 +158,19 @@ class ProcessSandbox(HostSandbox):
         super().__init__(sandbox_id, path, spec, driver.name, existing)
         self.driver = driver
         self.skeleton = skeleton
+        self.layer_dir = path / LAYER_DIR
         self._host_pid = int(str(existing["host_pid"])) if existing and "host_pid" in existing else None
+
+    def _with_layer(self, sandboxed: list[str]) -> list[str]:
+        """`sandboxed` (bwrap's argv) preceded by the writable layer's mount
+        in a private mount namespace (LAYER_SETUP). Its quota, bytes and
+        inodes, is set by mount options, as the work dir's is; its root and
+        shm directories are the host's root's, the guest's uid inside (mapped)."""
+        size_mb, inodes = writable_layer(self.spec.memory_mb)
+        options = f"size={size_mb}m,nr_inodes={inodes},mode=0700,uid=0,gid=0,nosuid,nodev"
+        return [self.driver.unshare, "--mount", "--propagation", "private", "--",
+                "/bin/sh", "-c", LAYER_SETUP, "sh", options, f"tenantq-{self.id}-layer", str(self.layer_dir),
+                *sandboxed]
 
     def signal_init(self, signum: int) -> None:
         """Signal the sandbox's init (an API sandbox's agent): bwrap's child,
@@ -136,8 +189,12 @@ class ProcessSandbox(HostSandbox):
         ttl = max(1, int(self.remaining_ttl()))
         args = [self.driver.bwrap, "--new-session", "--unshare-all", "--unshare-user", "--disable-userns",
                 "--as-pid-1", "--seccomp", str(seccomp_fd),
-                "--uid", str(GUEST_UID), "--gid", str(GUEST_GID), "--hostname", "sandbox",
-                "--ro-bind", "/usr", "/usr"]
+                "--uid", str(GUEST_UID), "--gid", str(GUEST_GID), "--hostname", "sandbox"]
+        if spec.writable_root:
+            # first: the writable layer is the root, and everything below is
+            # mounted on it (bwrap's mount points are its first few inodes)
+            args += ["--bind", str(self.layer_dir / "root"), "/"]
+        args += ["--ro-bind", "/usr", "/usr"]
         for link in ("bin", "lib", "lib64", "sbin"):
             args += ["--symlink", f"usr/{link}", f"/{link}"]
         # --mqueue: POSIX message queues show up there, so the guest can empty them (rule P1)
@@ -147,20 +204,25 @@ class ProcessSandbox(HostSandbox):
         # empties (rule P1); /dev/shm is a capped tmpfs of its own, emptied
         # before every job like /tmp
         args += ["--ro-bind", str(self.skeleton / "etc"), "/etc", "--proc", "/proc", "--dev", "/dev",
-                 "--mqueue", "/dev/mqueue",
-                 "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
-                 "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
+                 "--mqueue", "/dev/mqueue"]
+        if spec.writable_root:
+            # /dev/shm and /tmp on the writable layer, inside its one quota
+            args += ["--bind", str(self.layer_dir / "shm"), "/dev/shm", "--perms", "1777", "--dir", "/tmp"]
+        else:
+            args += ["--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/dev/shm",
+                     "--size", str(spec.tmp_mb * 1024 * 1024), "--tmpfs", "/tmp"]
         for m in spec.mounts:
             args += ["--ro-bind", m.source, m.target]
         # --remount-ro /: bwrap's root is a tmpfs of its own, writable, outside
-        # any quota and never emptied between batches; read-only, as under gVisor
-        # an API sandbox keeps bwrap's root tmpfs writable: its pages are
-        # charged to the sandbox's memory cgroup, so the memory limit caps it
-        if spec.writable_root:  # the root tmpfs has no skeleton: the usual dirs, empty
-            for d in API_DIRS:
+        # any quota and never emptied between batches; read-only, as under gVisor.
+        # An API sandbox's root is its writable layer (LAYER_SETUP), which has
+        # no skeleton: the usual dirs, empty, and the work dir as one more
+        if spec.writable_root:
+            for d in (*API_DIRS, GUEST_WORK_DIR.lstrip("/")):
                 args += ["--dir", f"/{d}"]
-        args += ["--bind", str(self.work_dir), GUEST_WORK_DIR,
-                 "--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR,
+        else:
+            args += ["--bind", str(self.work_dir), GUEST_WORK_DIR]
+        args += ["--ro-bind", str(self.egress_dir), GUEST_EGRESS_DIR,
                  *([] if spec.writable_root else ["--remount-ro", "/"]), "--remount-ro", "/dev",
                  "--chdir", "/" if spec.writable_root else GUEST_WORK_DIR, "--clearenv"]
         for key, value in {**BASE_ENV, **env}.items():
@@ -178,6 +240,8 @@ class ProcessSandbox(HostSandbox):
         filter_fd = seccomp.program_fd()
         try:
             sandboxed = self._argv(argv, env or {}, self_limiting=self_limiting, seccomp_fd=filter_fd)
+            if self.spec.writable_root:
+                sandboxed = self._with_layer(sandboxed)
             command = ["/bin/sh", "-c", ENTER_CGROUPS, "sh", *sandboxed] if procs else sandboxed
             os.set_inheritable(filter_fd, True)
             running = start_process(self, command, {"TQ_CGROUP_PROCS": procs, "PATH": "/usr/bin:/bin"},
