@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -97,6 +99,10 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.settings import Settings
 
     chosen_format = configure_logs(log_format)
+    if sandbox != "inline":
+        # what sandboxes see of the Python installation (rule M1: a scan of
+        # its trees, about half a second) while the app and the database are checked
+        threading.Thread(target=_scan_installation, name="tenantq-install-scan", daemon=True).start()
     logging.getLogger("tenantq.worker").addFilter(_StatsOnce())
     secrets: SecretsProvider = FileSecrets(secrets_file) if secrets_file else NoSecrets()
     # the mistakes of a first run, each one line before anything else is
@@ -151,6 +157,14 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     if w.failed:
         # the worker stopped itself because it could not carry on: non-zero exit, one line saying why
         raise TenantqError(f"worker stopped: {w.failure or 'it could not carry on; see the log above'}")
+
+
+def _scan_installation() -> None:
+    from tenantq.sandbox.layout import guest_python
+    from tenantq.settings import Settings
+
+    with contextlib.suppress(Exception):  # the executor does it again and reports what fails
+        guest_python(Settings().data_dir)
 
 
 class _StatsOnce(logging.Filter):

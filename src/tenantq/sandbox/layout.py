@@ -195,7 +195,12 @@ def _installation(data_dir: Path) -> GuestPython:
     add(str(Path(tenantq_parent) / "tenantq"))
     masks = mask_sources(data_dir)
     mounts = [Mount(t, t) for t in trees if not _covered(t, mounted)]
-    mounts += [Mount(str(masks[is_dir]), path) for path, is_dir in install_view.hidden(trees, site_dirs)]
+    hidden = install_view.hidden(trees, site_dirs)
+    mounts += [Mount(str(masks[is_dir]), path) for path, is_dir in hidden]
+    if hidden:
+        shown = ", ".join(path for path, _ in hidden[:5]) + (", ..." if len(hidden) > 5 else "")
+        log.info("sandboxes do not see %d file(s) or dir(s) of the Python installation (rule M1): %s",
+                 len(hidden), shown)
     return GuestPython(executable, _ordered(mounts), (tenantq_parent,), tuple(site_dirs),
                        (str(Path(tenantq_parent) / "tenantq"),))
 
