@@ -39,6 +39,7 @@ from tenantq.sandbox.digests import DIGESTS
 # (pattern on the file's name, what it is), matched case-insensitively
 DENIED_NAMES = (
     (".env", "an environment file"), (".env.*", "an environment file"), ("*.env", "an environment file"),
+    (".envrc", "an environment file"),
     ("settings*.py", "a settings file"), ("local_settings.py", "a settings file"),
     ("secrets.*", "a secrets file"), ("credentials*", "a credentials file"),
     ("*.pem", "a key or certificate file"), ("*.key", "a key file"), ("*.p12", "a key file"),

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Sequence
 
 CONFIG_NAMES = ("pip.conf", "pip.ini", ".pypirc", ".netrc", ".pgpass", ".git-credentials", ".npmrc",
-                ".env", ".env.*")
+                ".env", ".env.*", ".envrc")
 KEY_NAMES = ("*.key", "*.p12", "*.pfx")
 START_UP = ("sitecustomize.py", "usercustomize.py")
 SITE_NAMES = ("site-packages", "dist-packages")
