@@ -34,28 +34,31 @@ START_UP = ("sitecustomize.py", "usercustomize.py")
 SITE_NAMES = ("site-packages", "dist-packages")
 PEM_SCAN_BYTES = 4 << 20
 
-_cache: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[tuple[str, bool], ...]] = {}
+_cache: dict[tuple[tuple[str, ...], ...], tuple[tuple[str, bool], ...]] = {}
 _lock = threading.Lock()
 
 
-def hidden(trees: Sequence[str], site_dirs: Sequence[str]) -> tuple[tuple[str, bool], ...]:
+def hidden(trees: Sequence[str], site_dirs: Sequence[str],
+           unused: Sequence[str] = ()) -> tuple[tuple[str, bool], ...]:
     """(path, is a directory) of everything in `trees` a sandbox must not
-    see, sorted; `site_dirs` are the site-packages directories in use."""
-    key = (tuple(trees), tuple(site_dirs))
+    see, sorted; `site_dirs` are the site-packages directories in use;
+    `unused` are directories hidden whole (the standard library's own test
+    suite, which ships test keys: one mount instead of one per key)."""
+    key = (tuple(trees), tuple(site_dirs), tuple(unused))
     with _lock:
         found = _cache.get(key)
         if found is None:
-            found = _cache[key] = _scan(trees, set(site_dirs))
+            found = _cache[key] = _scan(trees, set(site_dirs), set(unused))
         return found
 
 
-def _scan(trees: Sequence[str], used: set[str]) -> tuple[tuple[str, bool], ...]:
-    out: set[tuple[str, bool]] = set()
+def _scan(trees: Sequence[str], used: set[str], unused: set[str]) -> tuple[tuple[str, bool], ...]:
+    out: set[tuple[str, bool]] = {(d, True) for d in unused if os.path.isdir(d)}
     stack = list(trees)
     seen: set[str] = set()
     while stack:
         directory = stack.pop()
-        if directory in seen:
+        if directory in seen or directory in unused:
             continue
         seen.add(directory)
         top_of_site = directory in used

@@ -195,7 +195,8 @@ def _installation(data_dir: Path) -> GuestPython:
     add(str(Path(tenantq_parent) / "tenantq"))
     masks = mask_sources(data_dir)
     mounts = [Mount(t, t) for t in trees if not _covered(t, mounted)]
-    hidden = install_view.hidden(trees, site_dirs)
+    stdlib_tests = [os.path.join(d, "test") for d in _stdlib_dirs()]
+    hidden = install_view.hidden(trees, site_dirs, stdlib_tests)
     mounts += [Mount(str(masks[is_dir]), path) for path, is_dir in hidden]
     if hidden:
         shown = ", ".join(path for path, _ in hidden[:5]) + (", ..." if len(hidden) > 5 else "")
