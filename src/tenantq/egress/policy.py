@@ -46,7 +46,8 @@ def normalise_host(host: str) -> str:
     return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
 
 
-def _valid_host(host: str) -> bool:
+def valid_host(host: str) -> bool:
+    """An IP literal or a DNS name (labels of 1-63 letters, digits, hyphens; 253 in all); `*.` allowed."""
     try:
         ipaddress.ip_address(host)
         return True
@@ -71,7 +72,7 @@ def parse_rule(text: str) -> Rule:
     elif raw.count(":") == 1:
         host, port = raw.split(":")
     host = normalise_host(host)
-    if not host or not _valid_host(host):
+    if not host or not valid_host(host):
         raise InvalidInput(f"egress rule {text!r}: not a host name, *.domain or IP address")
     if port is None:
         return Rule(host)

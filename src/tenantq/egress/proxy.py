@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 
 from tenantq.egress.guard import AddressGuard as AddressGuard  # re-exported: callers import it from here
 from tenantq.egress.inject import Injection, inject_head, request_guard, response_guard, smuggled
-from tenantq.egress.policy import EgressPolicy, Rule, normalise_host
+from tenantq.egress.policy import EgressPolicy, Rule, normalise_host, valid_host
 from tenantq.egress.sockets import bound_socket
 from tenantq.egress.stream_guard import Found, StreamGuard
 from tenantq.egress.tls import TenantCA, upstream_context
@@ -152,8 +152,16 @@ class BatchProxy:
         if method == "CONNECT" and self.ca is not None:
             await self._intercept(reader, writer, host, port, usable, job_id, shown)
             return
+        out_guard = None
         if method != "CONNECT" and self.injections:
             reason = smuggled(self.injections, head, host, port, tls=False)
+            try:
+                # a tenant with injected secrets: the body may not carry a
+                # placeholder either; a head whose body cannot be framed is
+                # refused before anything of it goes upstream
+                out_guard = request_guard(self.injections, head)
+            except Found as found:
+                reason = reason or str(found)
             if reason is not None:
                 await self._block(writer, job_id, shown, reason)
                 return
@@ -162,15 +170,12 @@ class BatchProxy:
             await _reply(writer, 502, f"tenantq egress: cannot connect to {shown}")
             return
         up_reader, up_writer = self._allowed(upstream)
-        out_guard = None
         if method == "CONNECT":
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
             origin = _origin_form(method, path, lines[1:])
             up_writer.write(origin)
             self._sent(origin)
-            # a tenant with injected secrets: the body may not carry a placeholder either
-            out_guard = request_guard(self.injections, head) if self.injections else None
         await self._relay(reader, writer, up_reader, up_writer, job_id, shown, out_guard, None)
 
     def _allowed(self, upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter],
@@ -221,11 +226,22 @@ class BatchProxy:
         transport.pause_reading()
         writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         await writer.drain()
-        await writer.start_tls(context)
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEADER_TIMEOUT_SECONDS)
+        # one deadline for the handshake and the head after it: a client that
+        # never finishes its ClientHello holds a connection no longer than a
+        # slow head does
+        async with asyncio.timeout(HEADER_TIMEOUT_SECONDS):
+            await writer.start_tls(context, ssl_handshake_timeout=HEADER_TIMEOUT_SECONDS)
+            head = await reader.readuntil(b"\r\n\r\n")
         injected = inject_head(self.injections, head, host, port)
         if isinstance(injected, str):
             await self._block(writer, job_id, shown, injected)
+            return
+        try:
+            # before anything goes upstream: a head whose body cannot be framed
+            # (Content-Length and chunked, two lengths) is refused (rule E2)
+            guards = request_guard(self.injections, injected), response_guard(self.injections, host, port)
+        except Found as found:
+            await self._block(writer, job_id, shown, str(found))
             return
         upstream = await self._connect(usable, port, tls_host=host)
         if upstream is None:
@@ -234,7 +250,6 @@ class BatchProxy:
         up_reader, up_writer = self._allowed(upstream)
         up_writer.write(injected)
         self._sent(injected)
-        guards = request_guard(self.injections, injected), response_guard(self.injections, host, port)
         await self._relay(reader, writer, up_reader, up_writer, job_id, shown, *guards)
 
     async def _connect(self, addresses: list[str], port: int, *, tls_host: str | None = None,
@@ -313,7 +328,7 @@ def _parse_target(parts: list[str]) -> tuple[str, str, int, str] | None:
         if not sep or not (port_text.isascii() and port_text.isdigit()) or len(port_text) > 5 \
                 or not 0 < int(port_text) < 65536:
             return None
-        return method, normalise_host(host), int(port_text), ""
+        return _named(method, normalise_host(host), int(port_text), "")
     try:
         url = urlsplit(target)
         port = url.port or 80
@@ -322,7 +337,15 @@ def _parse_target(parts: list[str]) -> tuple[str, str, int, str] | None:
     if url.scheme != "http" or not url.hostname:
         return None
     path = (url.path or "/") + (f"?{url.query}" if url.query else "")
-    return method, normalise_host(url.hostname), port, path
+    return _named(method, normalise_host(url.hostname), port, path)
+
+
+def _named(method: str, host: str, port: int, path: str) -> tuple[str, str, int, str] | None:
+    # an empty or over-long label is a 400 here, not an encoding error inside
+    # getaddrinfo that would close the connection without a reply
+    if host.startswith("*.") or not valid_host(host):
+        return None
+    return method, host, port, path
 
 
 def _origin_form(method: str, path: str, header_lines: list[str]) -> bytes:
