@@ -17,6 +17,7 @@ from bench import (
     host_functions,
     per_job,
     producer,
+    producers,
     sandbox,
     sandbox_api,
     scale,
@@ -44,6 +45,7 @@ BENCHMARKS: dict[str, Callable[..., dict[str, Any]]] = {
     "host-functions": host_functions.run,
     "host-connections": host_connections.run,
     "enqueue-floor": enqueue_floor.run,
+    "producers": producers.run,
 }
 SMALL: dict[str, dict[str, Any]] = {
     "throughput": {"jobs": 200, "single": 20, "repeats": 1, "peers": False, "grid": False, "big": 300},
@@ -68,6 +70,8 @@ SMALL: dict[str, dict[str, Any]] = {
                        "rows_per_tenant": 150},
     "host-connections": {"batches": 6, "pool": 2, "quick": 2},
     "enqueue-floor": {"n": 20, "rounds": 1},
+    "producers": {"n": 20, "percall_rounds": 1, "rounds": 1, "producers": (2,), "tenants": (1, 5),
+                  "work_ms": (0, 2), "seconds": 0.3, "warmup": 0.1, "peers": False},
 }
 
 

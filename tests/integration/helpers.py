@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any, LiteralString
 
 from tenantq.dispatch.worker import Worker, WorkerStats
+from tenantq.store import wakes
 from tenantq.store.db import Database
 
 
@@ -25,7 +26,12 @@ def db_now(db: Database) -> datetime:
 def fetch_all(
     db: Database, query: LiteralString, params: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
+    """The rows of `query`. Queue and tenant rows are written by a worker's
+    fold of the wakes (queues.sql, "The has_work protocol"): a query that
+    reads them folds first, as a worker looking for work would."""
     with db.connect() as conn:
+        if "queues" in query or "tenants" in query:
+            wakes.fold(conn)
         return conn.execute(query, params or {}).fetchall()
 
 
@@ -46,7 +52,8 @@ def table_counts(db: Database) -> dict[str, int]:
     row = fetch_one(
         db,
         "SELECT (SELECT count(*) FROM jobs) AS jobs, (SELECT count(*) FROM tenants) AS tenants, "
-        "(SELECT count(*) FROM queues) AS queues, (SELECT count(*) FROM batches) AS batches",
+        "(SELECT count(*) FROM queues) AS queues, (SELECT count(*) FROM batches) AS batches, "
+        "(SELECT count(*) FROM wakes) AS wakes",
     )
     return {k: int(v) for k, v in row.items()}
 

@@ -14,6 +14,7 @@ from tenantq import Queue
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import MAX_CREDIT, Mode
 from tenantq.fairness.picker import add_to_deficits
+from tenantq.store import wakes
 from tenantq.store.db import Conn, Database
 from tenantq.store.model import Batch
 from tenantq.testing import wait_until
@@ -55,7 +56,8 @@ def test_the_claim_runs_after_the_cursor_lock_is_released(queue: Queue, db: Data
     now = t0 + timedelta(seconds=1)
     got: dict[str, Batch | BaseException | None] = {}
     with db.connect(autocommit=False) as holder, db.connect() as other:
-        holder.execute("SELECT 1 FROM tenants WHERE tenant_id = 'a-capped' FOR UPDATE")
+        # the lock another pick's cap check takes (tenants.sql lock_for_cap)
+        holder.execute("SELECT 1 FROM tenants WHERE tenant_id = 'a-capped' FOR NO KEY UPDATE")
 
         def first() -> None:
             try:
@@ -139,6 +141,8 @@ def test_deficits_are_only_added_to_bounded_and_capped(db: Database, queue: Queu
     # is not a finite number changes nothing
     queue.enqueue("acme", "demo.noop")
     with db.connect() as c:
+        wakes.fold(c)  # the queue row, as a worker looking for work makes it
+
         def add(delta: float, ceiling: float = MAX_CREDIT) -> None:
             with c.transaction():
                 add_to_deficits(c, "default", {"acme": delta}, ceiling=ceiling)
@@ -163,6 +167,8 @@ def test_the_decisions_commit_mode_never_leaks_into_a_callers_transaction(queue:
     # a transaction of its own; inside a caller's (a savepoint) the caller's
     # commit must stay synchronous, and on its own the setting ends with it
     queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"}] * 2, now=t0)
+    with db.connect() as c:
+        wakes.fold(c)  # claim_next folds only on a connection with no transaction open
 
     def mode(c: Conn) -> str:
         return str(c.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"])  # type: ignore[index]

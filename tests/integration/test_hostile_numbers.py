@@ -22,7 +22,7 @@ from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import MAX_CREDIT, MAX_JOB_SECONDS, Mode
-from tenantq.store import jobs
+from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
 from tenantq.store.migrate import migrate
 from tenantq.store.model import Batch, Settlement
@@ -193,6 +193,7 @@ def test_every_float_column_has_a_finite_check(db: Database) -> None:
 def _one_queue_and_batch(queue: Queue, db: Database) -> None:
     queue.enqueue("acme", "fake.job")
     with db.connect() as conn:
+        wakes.fold(conn)  # the queue row, as a worker looking for work makes it
         conn.execute("INSERT INTO batches (tenant_id, priority, worker_id, sandbox_driver, job_count, "
                      "lease_expires_at, created_at, heartbeat_at) "
                      "VALUES ('acme', 'default', 'w', 'inline', 1, now(), now(), now())")

@@ -14,7 +14,7 @@ from tenantq import REGISTRY, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
 from tenantq.fairness import ClaimRequest, claim_next
-from tenantq.store import jobs
+from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
 from tenantq.store.model import Settlement
 from tenantq.testing import drain, wait_until
@@ -119,6 +119,8 @@ def test_concurrent_store_claims_of_one_tenant_skip_locked_rows(queue: Queue, db
     """The claim statement alone (no scheduler lock in front of it): SKIP
     LOCKED keeps concurrent leases of one tenant's jobs disjoint."""
     ids = queue.enqueue_many([{"tenant": "acme", "kind": "demo.noop"} for _ in range(1000)])
+    with db.connect() as conn:
+        wakes.fold(conn)  # the tenant's row, which its batches reference
     claimed: list[list[int]] = []
     lock = threading.Lock()
 

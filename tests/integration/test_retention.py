@@ -24,7 +24,7 @@ from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.settings import Settings
-from tenantq.store import jobs
+from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
 from tenantq.store.model import Settlement
 from tenantq.store.steps import Steps, run
@@ -91,6 +91,8 @@ def _pruned_metric(status: str) -> float:
 def _expired_done(db: Database, queue: Queue, tenant: str, count: int, age: float) -> list[int]:
     """`count` done jobs (each with one attempt row) that finished `age` s ago, made by SQL."""
     ids = queue.enqueue_many([JobSpec(tenant, "r.ok") for _ in range(count)])
+    with db.connect() as conn:
+        wakes.fold(conn)  # the tenant's row (tenant settings below are written to it)
     _execute(db, "UPDATE jobs SET status = 'done', attempts = 1, result = 'null', "
                  "started_at = now() - make_interval(secs => %(age)s + 1), "
                  "finished_at = now() - make_interval(secs => %(age)s) WHERE id = ANY(%(ids)s)",
@@ -242,6 +244,8 @@ def test_a_prune_and_a_claim_do_not_wait_on_each_other(queue: Queue, db: Databas
     request = ClaimRequest(worker_id="w", driver="inline", batch_size=1, lease_seconds=60)
     expired = _expired_done(db, queue, "acme", 5, 10 * DAY)
     pending = queue.enqueue("acme", "r.ok")
+    with db.connect() as conn:
+        wakes.fold(conn)  # claim_next folds only on a connection with no transaction open
 
     # a claim holds its transaction (and the pending job's row lock) open...
     claiming = _open_transaction(db)

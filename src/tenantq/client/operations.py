@@ -18,7 +18,7 @@ from typing import Any
 from tenantq.client.runner import Subscribe, Wait, atomic_operation, operation
 from tenantq.egress.policy import parse_rules
 from tenantq.errors import InvalidInput, JobNotFound, WaitTimeout
-from tenantq.store import enqueue, jobs, rates, validation, workers
+from tenantq.store import enqueue, jobs, rates, validation, wakes, workers
 from tenantq.store.db import Database
 from tenantq.store.model import JobInfo, NewJob
 from tenantq.store.queries import sql
@@ -126,9 +126,8 @@ class Operations:
         """
         job = validation.new_job(tenant, kind, payload, priority_=priority, max_attempts_=max_attempts,
                                  delay_=delay, key=key, actor_=actor, meta=meta)
-        ids = yield from enqueue.insert_steps([job], schema=self.db.schema, channel=self.db.notify_channel,
-                                              now=now)
-        return ids[0]
+        return (yield from enqueue.insert_one_steps(*job, schema=self.db.schema,
+                                                    channel=self.db.notify_channel, now=now))
 
     @atomic_operation
     def enqueue_many(
@@ -224,6 +223,8 @@ class Operations:
     @operation
     def tenants(self, tenant: str | None = None) -> Steps[list[dict[str, Any]]]:
         """Weight, cap, live batches and DRR deficit per tenant."""
+        # a tenant whose first jobs no worker has folded yet is listed too
+        yield from wakes.fold_steps()
         rows: list[dict[str, Any]] = yield Query(sql("tenants", "list"), {"tenant_id": tenant})
         return rows
 
@@ -261,6 +262,8 @@ class Operations:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidInput(f"limit must be a positive integer, got {limit!r}")
         retention = Settings().retention()
+        # the walk is over tenant rows: a tenant no worker has folded yet too
+        yield from wakes.fold_steps()
         total: dict[str, int] = {}
         while sum(total.values()) < limit:
             # a dry run deletes nothing, so it counts in one statement

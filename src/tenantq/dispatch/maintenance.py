@@ -19,7 +19,7 @@ import psycopg
 
 from tenantq.observe import metrics
 from tenantq.settings import Settings
-from tenantq.store import jobs, schedules, workers
+from tenantq.store import jobs, schedules, wakes, workers
 from tenantq.store.db import Conn, Pool
 from tenantq.store.queries import sql
 from tenantq.store.steps import run
@@ -243,6 +243,10 @@ class Maintenance(threading.Thread):
                         log.warning("reaped %d sandbox(es) past their TTL: %s", len(gone), gone)
             if now - self._last_repair >= REPAIR_EVERY_SECONDS:
                 self._last_repair = now
+                # slots fold as they look for work; a fleet whose slots are
+                # all busy folds here, so queue rows (and the dashboard's
+                # view of them) do not lag by more than this period
+                wakes.fold(conn)
                 conn.execute(sql("queues", "repair"))
             if now - self._last_job_prune >= PRUNE_JOBS_EVERY_SECONDS:
                 self._last_job_prune = now

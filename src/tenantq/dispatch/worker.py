@@ -55,6 +55,7 @@ from tenantq.fairness import ClaimRequest, PickNotes, claim_next
 from tenantq.fairness.slots import class_order, is_lent, reserved_slots
 from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
+from tenantq.store import wakes
 from tenantq.store.db import Database, Pool
 from tenantq.store.model import Batch
 from tenantq.store.queries import sql
@@ -303,15 +304,15 @@ class Worker:
                                batch_size=cfg.batch_size, lease_seconds=cfg.lease_seconds,
                                fair_by=cfg.fair_by, quantum_seconds=cfg.quantum_seconds, kinds=kinds)
         with self._pool.connection() as conn:
-            rows = conn.execute(sql("queues", "classes_with_work"),
-                                {"now": None, "kinds": None if kinds is None else list(kinds)}).fetchall()
-            with_work = {str(r["priority"]) for r in rows}
+            # folds the wakes too: the picks below need not
+            with_work = wakes.classes_with_work(conn, kinds=None if kinds is None else list(kinds))
             if "interactive" not in with_work:
                 self.interactive_waiting.clear()
             for priority in class_order():
                 if priority not in with_work:
                     continue
-                batch = claim_next(conn, request, priority, notes=notes, abandon=self.stopping.is_set)
+                batch = claim_next(conn, request, priority, notes=notes, abandon=self.stopping.is_set,
+                                   fold=False)
                 metrics.PICK_LOCK_WAIT.labels(priority).observe(notes.lock_wait)
                 metrics.PICK_LOCK_HELD.labels(priority).observe(notes.lock_held)
                 if batch is not None:

@@ -30,7 +30,7 @@ from datetime import datetime
 import psycopg
 
 from tenantq.fairness import drr
-from tenantq.store import jobs, rates
+from tenantq.store import jobs, rates, wakes
 from tenantq.store.db import Conn
 from tenantq.store.model import Batch, Priority
 from tenantq.store.queries import composed, sql
@@ -131,7 +131,7 @@ class _Decision:
 
 def claim_next(
     conn: Conn, request: ClaimRequest, priority: Priority, *, now: datetime | None = None,
-    notes: PickNotes | None = None, abandon: Callable[[], bool] | None = None,
+    notes: PickNotes | None = None, abandon: Callable[[], bool] | None = None, fold: bool = True,
 ) -> Batch | None:
     """Lease the next batch of `priority` work, or None if there is none.
 
@@ -154,7 +154,14 @@ def claim_next(
 
     A dispatcher that dies between the two transactions costs its tenant one
     turn's credit, never a job (the decision holds no lease).
+
+    `fold`: first fold the wakes into queue rows (store/wakes.py), in a
+    statement of its own, before the cursor lock; a worker that has just
+    folded (`wakes.classes_with_work`) passes False. Not inside a caller's
+    transaction: the fold's row locks would last until the caller commits.
     """
+    if fold and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+        wakes.fold(conn, now=now)
     notes = notes if notes is not None else PickNotes()
     notes.lock_wait = notes.lock_held = 0.0
     kinds = None if request.kinds is None else list(request.kinds)
@@ -183,8 +190,30 @@ def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[s
             tried: set[str]) -> _Decision | None:
     """The decision, under the class's cursor lock (see claim_next); the
     queues in `tried` are passed over, neither credited nor charged.
-    Pipelined: BEGIN, the commit mode, the cursor lock and the candidate read
-    go out in one round trip; the writes and the COMMIT in a second."""
+
+    Under the lock no row lock is waited for (queues.sql `add_to_deficits`,
+    `skipping`): a queue row another transaction holds for a moment (a
+    fold, a settle's charge, a probe's clear) would hold every worker of
+    the class behind this one. Its delta is added after the decision
+    commits, without the cursor lock (deltas commute)."""
+    writes: list[_DeficitWrite] = []
+    decision = _decide_locked(conn, request, priority, kinds, now, notes, abandon, tried, writes)
+    # read after the commit: in the pipeline, reading them before would
+    # cost the decision a round trip under the lock
+    deferred = {t: d for write in writes for t, d in write.skipped().items()}
+    if deferred:
+        with conn.transaction():
+            add_to_deficits(conn, priority, deferred)
+    return decision
+
+
+def _decide_locked(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[str] | None,
+                   now: datetime | None, notes: PickNotes, abandon: Callable[[], bool] | None,
+                   tried: set[str], writes: list[_DeficitWrite]) -> _Decision | None:
+    """`_decide` under the lock; its deficit writes are appended to
+    `writes`. Pipelined: BEGIN, the commit mode, the cursor lock and the
+    candidate read go out in one round trip; the writes and the COMMIT in a
+    second."""
     # inside a caller's transaction (a savepoint) the commit mode would
     # outlive the decision and apply to the caller's own commit: not there
     own_transaction = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
@@ -232,7 +261,7 @@ def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[s
             walked_past[v.tenant_id] = v.deficit - read[v.tenant_id]  # runtime debt shrinks by one quantum
         if visit is None:
             if walked_past:
-                add_to_deficits(conn, priority, walked_past)
+                writes.append(_DeficitWrite.start(conn, priority, walked_past))
             return None
         r = next(r for r in rows if str(r["tenant_id"]) == visit.tenant_id)
         max_jobs = visit.max_jobs
@@ -253,7 +282,7 @@ def _decide(conn: Conn, request: ClaimRequest, priority: Priority, kinds: list[s
         if abandon is not None and abandon():
             raise psycopg.Rollback()  # the transaction's exit: nothing of it is kept
         delta = deficit - read[visit.tenant_id]
-        add_to_deficits(conn, priority, {**walked_past, visit.tenant_id: delta})
+        writes.append(_DeficitWrite.start(conn, priority, {**walked_past, visit.tenant_id: delta}))
         conn.execute(sql("scheduler", "advance_cursor"),
                      {"priority": priority, "tenant_id": visit.tenant_id, "turn_open": keep_turn})
         return _Decision(
@@ -353,12 +382,36 @@ def _at_cap(conn: Conn, tenant_id: str, now: datetime | None) -> bool:
 def add_to_deficits(conn: Conn, priority: Priority, deltas: dict[str, float], *,
                     ceiling: float = drr.MAX_CREDIT) -> None:
     """Add to queues' deficits (queues.sql `add_to_deficits`), at most
-    `ceiling`; a delta that is not a finite number adds nothing (it would
-    compare above every number in SQL and land at the bound)."""
-    conn.execute(sql("queues", "add_to_deficits"), {
-        "priority": priority, "tenant_ids": list(deltas),
-        "deltas": [drr.finite_or_none(d) or 0.0 for d in deltas.values()], "ceiling": ceiling,
-    })
+    `ceiling`, waiting for rows another transaction holds."""
+    conn.execute(composed("queues", "add_to_deficits", locking="waiting"),
+                 _deficit_params(priority, deltas, ceiling))
+
+
+def _deficit_params(priority: Priority, deltas: dict[str, float], ceiling: float) -> dict[str, object]:
+    # a delta that is not a finite number adds nothing (it would compare
+    # above every number in SQL and land at the bound)
+    return {"priority": priority, "tenant_ids": list(deltas),
+            "deltas": [drr.finite_or_none(d) or 0.0 for d in deltas.values()], "ceiling": ceiling}
+
+
+@dataclass
+class _DeficitWrite:
+    """`add_to_deficits` under the cursor lock: rows another transaction
+    holds are skipped, not waited for; `skipped()`, read once the decision
+    has committed, gives their deltas back."""
+
+    deltas: dict[str, float]
+    cursor: psycopg.Cursor[dict[str, object]]
+
+    @classmethod
+    def start(cls, conn: Conn, priority: Priority, deltas: dict[str, float]) -> _DeficitWrite:
+        cursor = conn.execute(composed("queues", "add_to_deficits", locking="skipping"),
+                              _deficit_params(priority, deltas, drr.MAX_CREDIT))
+        return cls(deltas, cursor)
+
+    def skipped(self) -> dict[str, float]:
+        written = {str(r["tenant_id"]) for r in self.cursor.fetchall()}
+        return {t: d for t, d in self.deltas.items() if t not in written}
 
 
 def _settle_queue_hint(conn: Conn, tenant_id: str, priority: Priority, now: datetime | None) -> None:

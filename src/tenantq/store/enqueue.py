@@ -12,8 +12,8 @@ run in one transaction (`Queue.enqueue_many` is an atomic operation: its
 own transaction, or a savepoint in the caller's):
 
 1. `insert` with a digest of the jobs (one row per tenant, class and kind):
-   the tenants and queues are upserted and the workers notified exactly as
-   for the jobs themselves, in the same lock order (tenants, queues, jobs);
+   their wakes are written and the workers notified exactly as for the
+   jobs themselves;
 2. `reserve_ids`: ids for the jobs from the table's identity sequence, and
    the transaction's clock;
 3. `copy_in`: the jobs, with those ids, so the ids come back in input order
@@ -106,6 +106,27 @@ def _size_backstop() -> Iterator[None]:
         raise InvalidInput(f"{what} is over {limit} bytes as stored by Postgres") from None
 
 
+def insert_one_steps(
+    job: NewJob, text: str, *, schema: str, channel: str, now: datetime | None = None
+) -> Steps[int]:
+    """Insert one validated job (jobs.sql `insert_one`, scalar parameters:
+    the cheapest statement); its id, or the existing job's for a key used
+    before."""
+    with _size_backstop():
+        rows = yield Query(qualified("jobs", "insert_one", schema), {
+            "tenant_id": job.tenant_id, "kind": job.kind, "payload": jsonb_text(text),
+            "priority": job.priority, "max_attempts": job.max_attempts, "delay": float(job.delay),
+            "key": job.key, "actor": job.actor,
+            "meta": None if job.meta_json is None else jsonb_text(job.meta_json),
+            "now": now, "channel": channel, "note": "interactive" if job.priority == "interactive" else "",
+        })
+    if rows:
+        return int(str(rows[0]["id"]))
+    existing = yield Query(qualified("jobs", "ids_by_key", schema),
+                           {"tenant_ids": [job.tenant_id], "keys": [job.key]})
+    return int(str(existing[0]["id"]))
+
+
 def insert_steps(
     jobs: Sequence[tuple[NewJob, str]], *, schema: str, channel: str, now: datetime | None = None
 ) -> Steps[list[int]]:
@@ -139,9 +160,8 @@ def insert_steps(
 
 def _digest(jobs: Sequence[NewJob]) -> list[tuple[str, str, str, float]]:
     """(tenant, class, kind, delay): a row for the kind's jobs due now (delay
-    0) and one with the least delay of its delayed jobs, if it has each; the
-    queue upsert of `insert` reads no more than that (its least delay, the
-    kinds due now, the least delay of the delayed)."""
+    0) and one with the least delay of its delayed jobs, if it has each;
+    `insert` writes one wake per tenant, class and kind from them."""
     due: set[tuple[str, str, str]] = set()
     delayed: dict[tuple[str, str, str], float] = {}
     for job in jobs:

@@ -284,7 +284,7 @@ def wake_steps(rows: Sequence[dict[str, Any]], *, now: datetime | None = None) -
     if not rows:
         return
     yield Query(
-        sql("queues", "wake"),
+        sql("jobs", "wake"),
         {
             "tenant_ids": [r["tenant_id"] for r in rows],
             "priorities": [r["priority"] for r in rows],
@@ -414,7 +414,9 @@ def prune_chunk_steps(*, retention: dict[str, float], older_than: float | None =
                       after: str = "") -> Steps[tuple[dict[str, int], str]]:
     """prune_steps over the tenants after `after` (in tenant order); also
     the last tenant it reached, where the next chunk starts (maintenance
-    goes round the tenants so that no tenant's backlog starves the rest)."""
+    goes round the tenants so that no tenant's backlog starves the rest).
+    The walk is over tenant rows: a tenant whose row no fold has made yet
+    (store/wakes.py) waits for the next round."""
     rows = yield Query(sql("jobs", "prune"), {
         "done": retention["done"], "cancelled": retention["cancelled"], "dead": retention["dead"],
         "older_than": older_than, "limit": limit, "dry_run": dry_run, "now": now, "after": after})

@@ -1,33 +1,48 @@
 -- Statements about jobs. `%(now)s` is NULL in production (the database
 -- clock, shared by every dispatcher) and a fixed time in tests.
 
--- name: insert
--- One round trip for one job or thousands: every column arrives as an array
--- and unnest() turns them into rows. The CTEs run as one statement, so the
--- tenant rows, the queue wake-up and the jobs commit together.
---
+-- name: insert_one
+-- One job (`Queue.enqueue`): scalar parameters, one round trip. It writes
+-- only rows of its own, the job and its wake, and touches no shared row
+-- (no tenant or queue row, no foreign key to check): in the caller's
+-- transaction (`conn=`) it holds nothing another producer or a worker
+-- waits for (queues.sql, "The has_work protocol"). A key already used
+-- inserts nothing and returns no row (the id is then looked up by key);
+-- only another producer's uncommitted job with the same key is waited for
+-- (a unique index must know whether it commits). The notification is
+-- delivered at commit, when the job is visible; none on rollback.
 -- Names are qualified ({schema}, filled in by queries.qualified()): this
--- statement also runs on the caller's own connection, inside the caller's
--- transaction (`enqueue(..., conn=...)`), whatever its search_path is.
---
--- Lock order: tenants, then queues, both in sorted order, so two bulk
--- enqueues that touch the same tenants cannot deadlock. The queue upsert
--- locks its row even when its WHERE makes it a no-op; that lock is what the
--- scheduler's "is this queue empty?" check waits on (see queues.sql). It
--- also keeps the queue's kinds hint: kinds of jobs due now join `kinds`,
--- delayed ones only move `kinds_due` (see queues.sql, "The kinds hint").
+-- statement also runs on the caller's own connection, whatever its
+-- search_path is.
+WITH inserted AS (
+    INSERT INTO {schema}.jobs (tenant_id, kind, payload, priority, max_attempts, run_after, idempotency_key,
+                               created_at, actor, meta)
+    SELECT %(tenant_id)s, %(kind)s, %(payload)s, %(priority)s, %(max_attempts)s,
+           c.now + make_interval(secs => %(delay)s), %(key)s, c.now, %(actor)s, %(meta)s
+    FROM (SELECT coalesce(%(now)s::timestamptz, now()) AS now) AS c
+    ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, run_after
+), woken AS (
+    INSERT INTO {schema}.wakes (tenant_id, priority, kind, run_after)
+    SELECT %(tenant_id)s, %(priority)s, %(kind)s, run_after FROM inserted
+)
+SELECT id, pg_notify(%(channel)s, %(note)s) AS notified FROM inserted;
+
+-- name: insert
+-- Many jobs in one round trip: every column arrives as an array and
+-- unnest() turns them into rows. The CTEs run as one statement, so the
+-- jobs and their wakes commit together. Like `insert_one`, it writes only
+-- rows of its own (jobs, and one wake per tenant, class and kind with the
+-- least run_after). Qualified names: see `insert_one`.
 --
 -- Rows are inserted in input order (ORDER BY ord), so identity values come
 -- back ascending in input order; rows skipped by an idempotency-key conflict
--- are looked up afterwards by key.
+-- are looked up afterwards by key, and wake nothing.
 --
 -- With %(digest)s the input is not jobs but a digest of the jobs that
 -- `copy_in` writes next in the same transaction (store/enqueue.py): one row
--- per tenant, class and kind, with its least delay. The tenants and queues
--- are upserted and the workers notified as for those jobs, and no job is
--- inserted: the digest keeps what the upserts read (the least delay, the
--- kinds due now, the least delay of the rest), so the one statement is the
--- one definition of the wake-up for both ways in.
+-- per tenant, class and kind, with its least delay. Its wakes are written
+-- and the workers notified as for those jobs, and no job is inserted.
 WITH input AS (
     SELECT *
     FROM unnest(
@@ -38,27 +53,6 @@ WITH input AS (
                            actor, meta, ord)
 ), clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
-), new_tenants AS (
-    INSERT INTO {schema}.tenants (tenant_id)
-    SELECT DISTINCT tenant_id FROM input ORDER BY tenant_id
-    ON CONFLICT (tenant_id) DO NOTHING
-), woken AS (
-    INSERT INTO {schema}.queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
-    SELECT tenant_id, priority, true, min(clock.now + make_interval(secs => delay)),
-           CASE WHEN count(DISTINCT kind) FILTER (WHERE delay <= 0) > 64 THEN NULL
-                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE delay <= 0), ARRAY[]::text[]) END,
-           coalesce(min(clock.now + make_interval(secs => delay)) FILTER (WHERE delay > 0), 'infinity')
-    FROM input, clock
-    GROUP BY tenant_id, priority
-    ORDER BY tenant_id, priority
-    ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
-            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
-                         ELSE {schema}.queue_kinds(q.kinds, excluded.kinds) END,
-            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
-                             ELSE excluded.kinds_due END
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
-           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
 ), inserted AS (
     INSERT INTO {schema}.jobs (tenant_id, kind, payload, priority, max_attempts, run_after, idempotency_key,
                                created_at, actor, meta)
@@ -68,7 +62,15 @@ WITH input AS (
     WHERE NOT %(digest)s::boolean
     ORDER BY i.ord
     ON CONFLICT (tenant_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, tenant_id, idempotency_key
+    RETURNING id, tenant_id, idempotency_key, priority, kind, run_after
+), woken AS (
+    INSERT INTO {schema}.wakes (tenant_id, priority, kind, run_after)
+    SELECT tenant_id, priority, kind, min(run_after)
+    FROM (SELECT tenant_id, priority, kind, run_after FROM inserted
+          UNION ALL
+          SELECT i.tenant_id, i.priority, i.kind, clock.now + make_interval(secs => i.delay)
+          FROM input i, clock WHERE %(digest)s::boolean) AS w
+    GROUP BY tenant_id, priority, kind
 ), wake_listeners AS (
     -- delivered at commit (nothing on rollback), so a woken worker already
     -- sees the jobs; one notification per statement
@@ -97,9 +99,8 @@ SELECT coalesce(%(now)s::timestamptz, now()) AS now,
 
 -- name: copy_in
 -- Jobs without idempotency keys from a bulk enqueue, after `insert` ran
--- with their digest in the same transaction (lock order as for `insert`:
--- tenants, queues, then jobs). COPY writes the reserved identity values
--- as given.
+-- with their digest in the same transaction (their wakes). COPY writes the
+-- reserved identity values as given.
 COPY {schema}.jobs (id, tenant_id, kind, payload, priority, max_attempts, run_after, created_at, actor, meta)
 FROM STDIN (FORMAT binary);
 
@@ -113,6 +114,16 @@ WHERE (tenant_id, idempotency_key) IN (
 
 -- name: notify
 SELECT pg_notify(%(channel)s, '');
+
+-- name: wake
+-- Jobs another statement made pending (the reaper's expired leases, a
+-- replay): their wakes, one per tenant, class and kind with the least
+-- run_after (queues.sql, "The has_work protocol").
+INSERT INTO wakes (tenant_id, priority, kind, run_after)
+SELECT tenant_id, priority, kind, min(run_after)
+FROM unnest(%(tenant_ids)s::text[], %(priorities)s::text[], %(kinds)s::text[], %(run_afters)s::timestamptz[])
+    AS w(tenant_id, priority, kind, run_after)
+GROUP BY tenant_id, priority, kind;
 
 -- name: claim
 -- Lease up to %(limit)s runnable jobs of ONE tenant and class, oldest first.
@@ -203,8 +214,8 @@ RETURNING j.id, j.tenant_id, j.kind, j.payload::text AS payload_text, j.priority
 -- Apply each job's outcome, but only while the job still runs under the
 -- presenting lease (batch_id = fencing token AND status = 'running'): a
 -- zombie whose lease was reaped and re-leased matches no row. Jobs that go
--- back to pending (retries) wake their queue in the same statement (see the
--- has_work protocol in queues.sql). Each settled job's attempt is recorded
+-- back to pending (retries) write their wakes in the same statement (see
+-- the has_work protocol in queues.sql). Each settled job's attempt is recorded
 -- in `attempts` by the same statement (no extra round trip); a job that
 -- succeeds loses its last_error, which the history keeps.
 WITH clock AS (
@@ -249,22 +260,11 @@ WITH clock AS (
            s.host_calls
     FROM settled s, lease l, clock
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
-    SELECT tenant_id, priority, true, min(run_after),
-           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
-                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
-           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
-    FROM settled, clock
+    -- wakes, not the queue row (queues.sql, "The has_work protocol")
+    INSERT INTO wakes (tenant_id, priority, kind, run_after)
+    SELECT tenant_id, priority, kind, min(run_after) FROM settled
     WHERE status = 'pending'
-    GROUP BY tenant_id, priority
-    ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
-            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
-                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
-            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
-                             ELSE excluded.kinds_due END
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
-           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
+    GROUP BY tenant_id, priority, kind
 ), ended AS (
     -- wakes `Queue.wait()` callers at commit: the ids of the jobs that ended
     -- (client/listener.py; the channel is the schema's: Database.done_channel).
@@ -304,22 +304,11 @@ WITH clock AS (
            l.worker_id, l.sandbox_driver, 'released'
     FROM released r, lease l, clock
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
-    SELECT tenant_id, priority, true, min(run_after),
-           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
-                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
-           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
-    FROM released, clock
+    -- wakes, not the queue row (queues.sql, "The has_work protocol")
+    INSERT INTO wakes (tenant_id, priority, kind, run_after)
+    SELECT tenant_id, priority, kind, min(run_after) FROM released
     WHERE status = 'pending'
-    GROUP BY tenant_id, priority
-    ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
-            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
-                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
-            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
-                             ELSE excluded.kinds_due END
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
-           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
+    GROUP BY tenant_id, priority, kind
 )
 SELECT id FROM released, (SELECT count(*) FROM ended) AS notified;
 

@@ -1,49 +1,85 @@
 -- Statements about queues: one row per (tenant, priority class), the
 -- scheduler's list of queues that may have runnable work.
 --
--- The has_work protocol. An enqueue (or a retry, release or replay) upserts
--- the queue row in the same transaction that makes a job pending, which
--- locks the row until commit. The scheduler, before clearing has_work,
--- first locks the row (lock_for_clear) and then, in a NEW statement (a new
--- READ COMMITTED snapshot), checks for pending jobs (clear_if_empty). Any
--- transaction that made a job pending and touched the row has committed by
--- the time the lock is granted, so its jobs are visible to the check; any
--- later one waits for the scheduler and sets has_work again.
+-- The has_work protocol (migration 0014). A statement that makes jobs
+-- pending (jobs.sql `insert_one`, `insert`, `settle`, `release_unstarted`,
+-- batches.sql `expire`, search.sql `replay_chunk`) inserts `wakes` rows in
+-- its own transaction and touches no queue row: an open producer
+-- transaction holds nothing anyone else waits for. Workers `fold` the wakes
+-- into queue rows before they look for work. The scheduler, before
+-- clearing has_work, locks the row (lock_for_clear) and then, in a NEW
+-- statement (a new READ COMMITTED snapshot), checks for pending jobs
+-- (clear_if_empty). A job the check does not see committed after the check
+-- began, together with its wake (one commit), and the fold that takes that
+-- wake sets has_work again, after the clear (it waits for the row lock);
+-- a fold that took a wake before the check holds the row until it commits,
+-- and the check, waiting behind it, sees the job. So no committed job is
+-- left in a queue without has_work, and nothing is woken on rollback.
 --
 -- The kinds hint (`kinds`, `kinds_due`) follows the same protocol, so that
--- a worker is offered only queues with work it can run: every statement
--- that makes a job pending adds the job's kind to `kinds` (or, for a job
--- not yet due, moves `kinds_due` to its run_after), and only clear_if_empty
--- narrows it, under the row lock, from what is pending then. Invariant: a
--- pending job's kind is in `kinds`, or its run_after >= `kinds_due`. A
--- worker that cannot run any kind in a queue's hint is not offered it
--- (candidates), so it neither charges that tenant's deficit nor spins on
+-- a worker is offered only queues with work it can run: a fold adds the
+-- kinds of its wakes due now to `kinds` (a wake not yet due moves
+-- `kinds_due` to its run_after), and only clear_if_empty narrows it, under
+-- the row lock, from what is pending then. Invariant: a pending job's kind
+-- is in `kinds`, or its run_after >= `kinds_due`, or its wake is not folded
+-- yet. A worker that cannot run any kind in a queue's hint is not offered
+-- it (candidates), so it neither charges that tenant's deficit nor spins on
 -- it; once `kinds_due` passes, every worker is offered it until one probe
 -- finds nothing and makes the hint exact again. NULL kinds: any kind.
--- The upserts compute the new kinds with plain aggregates and test
--- coverage with `@>` first; queue_kinds() (schema.sql) is only called for a
--- kind the hint lacks: a SQL function with a subquery cannot be inlined and
--- is planned again on every call, which would cost every enqueue ~1 ms.
+-- The fold computes the new kinds with plain aggregates and tests coverage
+-- with `@>` first; queue_kinds() (schema.sql) is only called for a kind the
+-- hint lacks: a SQL function with a subquery cannot be inlined and is
+-- planned again on every call.
 
--- name: wake
--- Make queues runnable again after jobs went back to pending.
-INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
-SELECT tenant_id, priority, true, min(run_after),
-       CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
+-- name: fold_ctes
+-- (a fragment: the CTEs of `fold` and `classes_with_work`) The one
+-- definition of how queues are woken. Takes up to %(limit)s wakes no
+-- other fold holds (SKIP LOCKED: folds never wait for each other's wakes,
+-- and a producer's uncommitted wake is not visible), makes the tenants'
+-- rows and the queues' rows, in sorted order (the lock order of
+-- add_to_deficits), and notifies the workers' channel (Database.
+-- notify_channel, spelled from the schema) at commit when it
+-- woke something, so a worker that looked while this fold held the wakes
+-- looks again ('interactive' when interactive work came: it recalls lent
+-- slots).
+-- ctid = ANY(ARRAY(...)): a TID scan, one lookup per taken row.
+taken AS (
+    DELETE FROM wakes w
+    WHERE w.ctid = ANY(ARRAY(SELECT ctid FROM wakes LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+    RETURNING w.tenant_id, w.priority, w.kind, w.run_after
+), clock AS (
+    SELECT coalesce(%(now)s::timestamptz, now()) AS now
+), new_tenants AS (
+    INSERT INTO tenants (tenant_id)
+    SELECT DISTINCT tenant_id FROM taken ORDER BY tenant_id
+    ON CONFLICT (tenant_id) DO NOTHING
+), woken AS (
+    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
+    SELECT tenant_id, priority, true, min(run_after),
+           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
                 ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now), '{}') END,
-       coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
-FROM unnest(%(tenant_ids)s::text[], %(priorities)s::text[], %(run_afters)s::timestamptz[], %(kinds)s::text[])
-    AS w(tenant_id, priority, run_after, kind),
-     (SELECT coalesce(%(now)s::timestamptz, now()) AS now) AS clock
-GROUP BY tenant_id, priority
-ORDER BY tenant_id, priority
-ON CONFLICT (tenant_id, priority) DO UPDATE
-    SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
-        kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
+           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
+    FROM taken, clock
+    GROUP BY tenant_id, priority
+    ORDER BY tenant_id, priority
+    ON CONFLICT (tenant_id, priority) DO UPDATE
+        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
+            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
                          ELSE queue_kinds(q.kinds, excluded.kinds) END,
-        kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due) ELSE excluded.kinds_due END
-    WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
-       OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds));
+            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due) ELSE excluded.kinds_due END
+        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
+           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
+), notified AS (
+    SELECT pg_notify(left('tenantq_' || current_schema(), 63),
+                     CASE WHEN bool_or(priority = 'interactive') THEN 'interactive' ELSE '' END)
+    FROM taken HAVING count(*) > 0
+)
+
+-- name: fold
+-- Wake queues from the wakes alone (`tenantq tenants` before a worker has
+-- run, the reaper's backstop): how many wakes it took.
+WITH {fold_ctes}
+SELECT (SELECT count(*) FROM taken)::integer AS folded, (SELECT count(*) FROM notified)::integer AS notified;
 
 -- name: candidates
 -- Queues of one class that may have runnable work, in round-robin order:
@@ -101,23 +137,34 @@ UNION ALL
 -- and an absolute write would lose the other's change. Bounded as `charge`
 -- bounds (1e12 = MAX_CREDIT), then at most %(ceiling)s: a claim that got
 -- fewer jobs than it was charged for found its queue dry, and a dry queue
--- keeps no credit (ceiling 0); 1e12 otherwise.
+-- keeps no credit (ceiling 0); 1e12 otherwise. Returns the queues it wrote.
 -- Lock order: the rows are locked in tenant order first (LockRows above
--- the sort), as enqueues lock them (jobs.sql `insert`); an UPDATE ... FROM
--- alone locks them in whatever order its join produces, and an enqueue of
--- several tenants locking the same rows the other way round deadlocked
--- (found by `./run bench soak`).
+-- the sort), as folds lock them; an UPDATE ... FROM alone locks them in
+-- whatever order its join produces, and two writers locking the same rows
+-- the other way round deadlocked (found by `./run bench soak`).
+-- {locking}: `waiting` outside the cursor lock; `skipping` under it, where
+-- a wait would hold every other worker of the class behind this one: a
+-- row another transaction holds (a fold, a settle's charge, a probe's
+-- clear) is left out, and the picker adds its delta after the decision
+-- commits (deltas commute).
 WITH ordered AS (
     SELECT q.tenant_id FROM queues q
     WHERE q.priority = %(priority)s AND q.tenant_id = ANY(%(tenant_ids)s::text[])
     ORDER BY q.tenant_id
-    FOR NO KEY UPDATE
+    {locking}
 )
 UPDATE queues q
 SET deficit = least(%(ceiling)s::float8, greatest(-1e12::float8, least(1e12::float8,
         greatest(-1e12::float8, least(1e12::float8, q.deficit)) + d.delta)))
 FROM unnest(%(tenant_ids)s::text[], %(deltas)s::double precision[]) AS d(tenant_id, delta), ordered o
-WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s AND o.tenant_id = d.tenant_id;
+WHERE q.tenant_id = d.tenant_id AND q.priority = %(priority)s AND o.tenant_id = d.tenant_id
+RETURNING q.tenant_id;
+
+-- name: waiting
+FOR NO KEY UPDATE
+
+-- name: skipping
+FOR NO KEY UPDATE SKIP LOCKED
 
 -- name: charge
 -- Fairness by run time, when a batch ends (after batches.end in the same
@@ -144,8 +191,19 @@ WHERE b.batch_id = %(batch_id)s AND b.run_seconds IS NOT NULL
 -- name: classes_with_work
 -- Which classes have a queue with runnable work this worker can run
 -- (%(kinds)s, NULL: any): lets a worker skip the pick transaction of a
--- class with nothing for it (one cheap index read instead).
-SELECT DISTINCT priority FROM queues
+-- class with nothing for it (one cheap index read instead). It folds the
+-- wakes first ({fold_ctes}); the classes it woke with work due now for
+-- these kinds are added, since this statement's read of `queues` cannot
+-- see its own writes.
+WITH {fold_ctes}
+SELECT t.priority
+FROM taken t, clock
+-- a one-time filter (no column of `taken`): evaluated before any row is
+-- read, so the notification goes out whatever the filters below keep
+WHERE (SELECT count(*) FROM notified) >= 0
+  AND t.run_after <= clock.now AND (%(kinds)s::text[] IS NULL OR t.kind = ANY(%(kinds)s::text[]))
+UNION
+SELECT priority FROM queues
 WHERE has_work AND next_run_at <= coalesce(%(now)s::timestamptz, now())
   AND (%(kinds)s::text[] IS NULL OR kinds IS NULL OR kinds && %(kinds)s::text[]
        OR kinds_due <= coalesce(%(now)s::timestamptz, now()));
@@ -153,10 +211,15 @@ WHERE has_work AND next_run_at <= coalesce(%(now)s::timestamptz, now())
 -- name: interactive_runnable
 -- Interactive work this worker can run (%(kinds)s, NULL: any) is waiting:
 -- recalls its lent slots. Work only another app can run recalls nothing.
+-- A wake not folded yet counts (the notification may come before the fold).
 SELECT EXISTS (
     SELECT 1 FROM queues
     WHERE priority = 'interactive' AND has_work AND next_run_at <= now()
       AND (%(kinds)s::text[] IS NULL OR kinds IS NULL OR kinds && %(kinds)s::text[] OR kinds_due <= now())
+) OR EXISTS (
+    SELECT 1 FROM wakes
+    WHERE priority = 'interactive' AND run_after <= now()
+      AND (%(kinds)s::text[] IS NULL OR kind = ANY(%(kinds)s::text[]))
 ) AS waiting;
 
 -- name: lock_for_clear

@@ -99,7 +99,9 @@ INSERT INTO scheduler (priority) VALUES ('interactive'), ('default'), ('bulk');
 -- tenant. batch_id is the fencing token (monotonic, never reused).
 CREATE TABLE batches (
     batch_id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    tenant_id        text NOT NULL REFERENCES tenants (tenant_id) ON DELETE CASCADE,
+    -- no foreign key (migration 0014): a claim straight from the store may
+    -- lease a tenant's jobs before a fold has made the tenant's row
+    tenant_id        text NOT NULL,
     priority         text NOT NULL CONSTRAINT batch_priority_known CHECK (priority IN ('interactive', 'default', 'bulk')),
     worker_id        text NOT NULL CONSTRAINT worker_id_nonempty CHECK (worker_id <> ''),
     sandbox_driver   text NOT NULL,
@@ -131,7 +133,10 @@ CREATE INDEX batches_ended ON batches (ended_at) WHERE ended_at IS NOT NULL;
 
 CREATE TABLE jobs (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    tenant_id       text NOT NULL REFERENCES tenants (tenant_id) ON DELETE CASCADE,
+    -- no foreign key (migration 0014): the fold makes the tenant's row, so
+    -- an enqueue neither checks nor locks it; the format is checked here
+    tenant_id       text NOT NULL
+        CONSTRAINT job_tenant_format CHECK (length(tenant_id) <= 128 AND tenant_id ~ '^[A-Za-z0-9][A-Za-z0-9._:@-]*$'),
     -- a star and a length test, not `{0,199}`: the regex engine walks a
     -- bounded repeat's 199 states for every row (migration 0010)
     kind            text NOT NULL
@@ -189,6 +194,20 @@ CREATE INDEX jobs_by_actor ON jobs (tenant_id, actor, created_at) WHERE actor IS
 -- Retention: a tenant's finished jobs, oldest first (jobs_dead serves `dead`).
 CREATE INDEX jobs_done ON jobs (tenant_id, finished_at) WHERE status = 'done';
 CREATE INDEX jobs_cancelled ON jobs (tenant_id, finished_at) WHERE status = 'cancelled';
+
+-- Wake-ups (migration 0014): every statement that makes jobs pending
+-- inserts a row per tenant, class and kind with the least run_after, and
+-- touches no other shared row; workers fold them into `queues`
+-- (queues.sql `fold`, under SKIP LOCKED). Constrained as the jobs are: a
+-- row the fold could not write would fail every fold.
+CREATE TABLE wakes (
+    tenant_id text NOT NULL
+        CONSTRAINT wake_tenant_format CHECK (length(tenant_id) <= 128 AND tenant_id ~ '^[A-Za-z0-9][A-Za-z0-9._:@-]*$'),
+    priority  text NOT NULL CONSTRAINT wake_priority_known CHECK (priority IN ('interactive', 'default', 'bulk')),
+    kind      text NOT NULL
+        CONSTRAINT wake_kind_format CHECK (length(kind) <= 200 AND kind ~ '^[A-Za-z_][A-Za-z0-9_.:-]*$'),
+    run_after timestamptz NOT NULL
+);
 
 -- Refused egress requests, attributed to the job that was running.
 CREATE TABLE egress_blocks (
@@ -322,3 +341,9 @@ ALTER TABLE batches SET (autovacuum_vacuum_scale_factor = 0.01, autovacuum_vacuu
 ALTER TABLE jobs SET (vacuum_truncate = false, toast.vacuum_truncate = false);
 ALTER TABLE attempts SET (vacuum_truncate = false, toast.vacuum_truncate = false);
 ALTER TABLE batches SET (vacuum_truncate = false, toast.vacuum_truncate = false);
+-- 0014: `wakes` is inserted and deleted within milliseconds: vacuum after a
+-- few hundred dead rows, and never truncate (every enqueue would wait
+-- behind the ACCESS EXCLUSIVE lock)
+ALTER TABLE wakes SET (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 500,
+                       autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 500,
+                       autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false);

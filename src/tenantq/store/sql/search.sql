@@ -146,7 +146,7 @@ SELECT (SELECT count(*) FROM target)::integer AS picked,
 -- Replay up to %(chunk)s dead jobs of the filtered set, with jobs.sql
 -- `retry_dead`'s semantics: back to pending with a fresh set of attempts
 -- (numbered from 1 again), `replays` + 1, the last error kept; their queues
--- are woken (queues.sql `wake`, the has_work protocol and the kinds hint) and
+-- are woken (their wakes: queues.sql, the has_work protocol) and
 -- the workers notified (as jobs.sql `insert` does: 'interactive' when
 -- interactive work came back, which recalls lent slots) in the same
 -- statement, so each chunk commits whole. Only jobs dead before the action
@@ -169,23 +169,10 @@ WITH clock AS (
     WHERE j.id = t.id AND j.status = 'dead'
     RETURNING j.id, j.tenant_id, j.priority, j.run_after, j.kind
 ), woken AS (
-    INSERT INTO queues AS q (tenant_id, priority, has_work, next_run_at, kinds, kinds_due)
-    SELECT tenant_id, priority, true, min(run_after),
-           CASE WHEN count(DISTINCT kind) FILTER (WHERE run_after <= clock.now) > 64 THEN NULL
-                ELSE coalesce(array_agg(DISTINCT kind) FILTER (WHERE run_after <= clock.now),
-                              ARRAY[]::text[]) END,
-           coalesce(min(run_after) FILTER (WHERE run_after > clock.now), 'infinity')
-    FROM replayed, clock
-    GROUP BY tenant_id, priority
-    ORDER BY tenant_id, priority
-    ON CONFLICT (tenant_id, priority) DO UPDATE
-        SET has_work = true, next_run_at = least(q.next_run_at, excluded.next_run_at),
-            kinds = CASE WHEN NOT q.has_work THEN excluded.kinds WHEN q.kinds @> excluded.kinds THEN q.kinds
-                         ELSE queue_kinds(q.kinds, excluded.kinds) END,
-            kinds_due = CASE WHEN q.has_work THEN least(q.kinds_due, excluded.kinds_due)
-                             ELSE excluded.kinds_due END
-        WHERE NOT q.has_work OR q.next_run_at > excluded.next_run_at OR q.kinds_due > excluded.kinds_due
-           OR (q.kinds IS NOT NULL AND (excluded.kinds IS NULL OR NOT q.kinds @> excluded.kinds))
+    -- wakes, not the queue row (queues.sql, "The has_work protocol")
+    INSERT INTO wakes (tenant_id, priority, kind, run_after)
+    SELECT tenant_id, priority, kind, min(run_after) FROM replayed
+    GROUP BY tenant_id, priority, kind
 ), wake_listeners AS (
     SELECT pg_notify(%(channel)s,
                      CASE WHEN EXISTS (SELECT 1 FROM replayed WHERE priority = 'interactive')
