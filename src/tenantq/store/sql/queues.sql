@@ -42,10 +42,11 @@
 -- woke something, so a worker that looked while this fold held the wakes
 -- looks again ('interactive' when interactive work came: it recalls lent
 -- slots).
--- ctid = ANY(ARRAY(...)): a TID scan, one lookup per taken row.
+-- ctid IN (...): a join on the row's address, one lookup per taken row
+-- (`= ANY(ARRAY(...))` compared every row with the whole array).
 taken AS (
     DELETE FROM wakes w
-    WHERE w.ctid = ANY(ARRAY(SELECT ctid FROM wakes LIMIT %(limit)s FOR UPDATE SKIP LOCKED))
+    WHERE w.ctid IN (SELECT ctid FROM wakes LIMIT %(limit)s FOR UPDATE SKIP LOCKED)
     RETURNING w.tenant_id, w.priority, w.kind, w.run_after
 ), clock AS (
     SELECT coalesce(%(now)s::timestamptz, now()) AS now
