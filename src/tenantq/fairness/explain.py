@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from tenantq.store import rates
+from tenantq.store import rates, wakes
 from tenantq.store import workers as worker_registry
 from tenantq.store.db import Conn
 from tenantq.store.model import JobInfo
@@ -24,6 +24,8 @@ def why_waiting(conn: Conn, job: JobInfo) -> list[str]:
 
 
 def why_waiting_steps(job: JobInfo) -> Steps[list[str]]:
+    # the job's queue row, which a fold of its wake makes (store/wakes.py)
+    yield from wakes.fold_steps()
     rows = yield Query(sql("explain", "job"), {"id": job.id})
     if not rows:
         return []
