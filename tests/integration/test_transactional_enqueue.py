@@ -161,13 +161,15 @@ class App:
     def committed(self, job_ids: list[int], tenant: str, note: str | None, *,
                   actor: str | None = ACTOR, meta: dict[str, Any] | None = None) -> None:
         self.expect_notification()
+        # what the producer wrote, before anything folds it (Queue.job does:
+        # its explanation reads the queue row)
+        rows = self.tenant_rows(tenant)
+        assert rows["jobs"] == len(job_ids) and rows["wakes"] >= 1, rows
+        assert self.folded_rows(tenant) == {"wakes": 0, "tenants": 1, "queues": 1}
         for job_id in job_ids:
             info = self.queue.job(job_id)
             assert (info.status, info.tenant_id, info.kind) == ("pending", tenant, KIND), info
             assert (info.actor, info.meta) == (actor, META if meta is None else meta), info
-        rows = self.tenant_rows(tenant)
-        assert rows["jobs"] == len(job_ids) and rows["wakes"] >= 1, rows
-        assert self.folded_rows(tenant) == {"wakes": 0, "tenants": 1, "queues": 1}
         if note is not None:
             assert note in self.orders()
         assert self.decoys() == {"jobs": 0, "tenants": 0, "queues": 0, "wakes": 0}, \
