@@ -37,6 +37,7 @@ from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.settings import Settings
 from tenantq.store import jobs as store_jobs
 from tenantq.store.db import Database, start_embedded
+from tenantq.store.embedded import embedded_pgdata, stop_embedded
 from tenantq.store.model import Settlement
 
 console = Console(width=160)
@@ -203,20 +204,22 @@ _CHECKPOINTS = {
 }
 
 
-def soak_server() -> tuple[str, str]:
-    """The server to soak on, and why: the configured one unless its
-    autovacuum is off (this repo's CI server turns it off for speed), in
-    which case no pruning can shrink anything and the embedded Postgres
-    (Postgres's defaults but autovacuum_naptime 10 s: store/embedded.py)
-    stands in for a production server."""
+def soak_server() -> tuple[str, str, bool]:
+    """The server to soak on, why, and whether the soak started it: the
+    configured one unless its autovacuum is off (this repo's CI server
+    turns it off for speed), in which case no pruning can shrink anything
+    and the embedded Postgres (Postgres's defaults but autovacuum_naptime
+    10 s: store/embedded.py) stands in for a production server."""
     configured = Database.resolve()
     with psycopg.connect(configured.dsn) as conn:
         row = conn.execute("SHOW autovacuum").fetchone()
     if row and row[0] == "on":
-        return configured.dsn, f"{configured.source} (autovacuum on)"
-    embedded = start_embedded(Settings().data_dir)
+        return configured.dsn, f"{configured.source} (autovacuum on)", False
+    data_dir = Settings().data_dir
+    running = (embedded_pgdata(data_dir) / "postmaster.pid").exists()
+    embedded = start_embedded(data_dir)
     return embedded, (f"the embedded Postgres: autovacuum is off on {configured.source}, "
-                      "and without it no deleted row's space is ever reused")
+                      "and without it no deleted row's space is ever reused"), not running
 
 
 def soak(*, total: int, rate: float, interval: float, retention: bool, workers: int,
@@ -335,16 +338,21 @@ def run(*, total: int = 2_000_000, rate: float = 1_500.0, interval: float = 30.0
     against 3.8-4.3 ms) and a lower, steadier p99 (15-20 against 18-26 ms),
     the series that failed the verdict in every run before
     (docs/benchmarks.md, "Soak")."""
-    dsn, server = soak_server()
+    dsn, server, started = soak_server()
     console.print(f"server: {server}")
-    with scratch_schema("soakinfo", dsn) as db:
-        info = machine_info(db)
-    info["server"] = server
-    runs = [soak(total=total, rate=rate, interval=interval, retention=True, workers=workers, tenants=tenants,
-                 dsn=dsn, probes=probes, concurrency=concurrency)]
-    if compare:
-        runs.append(soak(total=compare_total, rate=rate, interval=interval, retention=False,
-                         workers=workers, tenants=tenants, dsn=dsn, probes=probes, concurrency=concurrency))
+    try:
+        with scratch_schema("soakinfo", dsn) as db:
+            info = machine_info(db)
+        info["server"] = server
+        runs = [soak(total=total, rate=rate, interval=interval, retention=True, workers=workers,
+                     tenants=tenants, dsn=dsn, probes=probes, concurrency=concurrency)]
+        if compare:
+            runs.append(soak(total=compare_total, rate=rate, interval=interval, retention=False,
+                             workers=workers, tenants=tenants, dsn=dsn, probes=probes,
+                             concurrency=concurrency))
+    finally:
+        if started:  # a server the soak started is not left running (one already up is)
+            stop_embedded(Settings().data_dir)
     settings = {"total": total, "rate": rate, "interval": interval, "workers": workers,
                 "concurrency": concurrency, "tenants": tenants, "warmup": warmup}
     payload = {"benchmark": "soak", "machine": info, "settings": settings, "runs": runs}
