@@ -91,6 +91,10 @@ class JobContext:
     # the worker's application database (tenantq.tenant_data.AppDatabase)
     # for inline handlers; None in a sandbox, which never holds a connection
     database: Any = field(default=None, repr=False)
+    # the job runs in a sandbox (the guest runner says so): ctx.db() then
+    # explains that sandboxed code never gets a connection, whatever the
+    # worker was started with
+    sandboxed: bool = False
     # (name, args) -> result of a host function (host_functions.py): in a
     # sandbox a call over the batch's host-function socket, inline direct
     caller: Callable[[str, dict[str, Any]], Any] | None = field(default=None, repr=False)
@@ -107,6 +111,10 @@ class JobContext:
         """`with ctx.db() as conn:` (or `async with`): a connection to the
         application's database in a transaction scoped to this job's tenant
         and actor (docs/tenant-data.md). Raises NoAppDatabase where there is none."""
+        if self.database is None and self.sandboxed:
+            raise NoAppDatabase("ctx.db(): sandboxed code never gets a database connection, whatever the "
+                                "worker's --app-db: read the tenant's data through a host function "
+                                "(docs/tenant-data.md), or run this handler inline")
         if self.database is None:
             raise NoAppDatabase("ctx.db(): this worker has no application database (set "
                                 "TENANTQ_APP_DATABASE_URL or start it with --app-db URL); sandboxed "

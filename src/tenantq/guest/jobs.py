@@ -110,7 +110,7 @@ def run_job(tenant: str, job: dict[str, Any], env: dict[str, str]) -> dict[str, 
                      max_attempts=int(job["max_attempts"]), env=dict(env),
                      actor=actor if isinstance(actor, str) else None,
                      meta=meta if isinstance(meta, dict) else {},
-                     caller=call_host if handler.host_functions else None)
+                     caller=call_host if handler.host_functions else None, sandboxed=True)
     signal.signal(signal.SIGALRM, _on_alarm)
     limit = _address_space() + handler.memory_mb * 1024 * 1024
     try:
