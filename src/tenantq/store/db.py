@@ -222,12 +222,17 @@ class Pool:
 
     @contextmanager
     def connection(self) -> Iterator[Conn]:
-        with self._pool.connection() as conn:
-            try:
-                yield conn
-            finally:
-                if self._recent is not None:
-                    self._recent.stamp(conn)
+        # getconn/putconn, not the pool's own `connection()`: that one also
+        # enters the connection's context, a commit call per use that an
+        # autocommit connection does not need (putconn rolls back anything
+        # left open); one enqueue's Python time is mostly such calls
+        conn = self._pool.getconn()
+        try:
+            yield conn
+        finally:
+            if self._recent is not None:
+                self._recent.stamp(conn)
+            self._pool.putconn(conn)
 
     def close(self) -> None:
         self._pool.close()

@@ -119,7 +119,7 @@ def insert_one_steps(
             "key": job.key, "actor": job.actor,
             "meta": None if job.meta_json is None else jsonb_text(job.meta_json),
             "now": now, "channel": channel, "note": "interactive" if job.priority == "interactive" else "",
-        }, plain=True)
+        }, plain=True, direct=job.key is None)  # with a key it may wait: a cursor (store/prepared.py)
     if rows:
         return int(str(rows[0]["id"]))
     existing = yield Query(qualified("jobs", "ids_by_key", schema),
