@@ -245,7 +245,7 @@ def _table_rows(dsn: str, schemas: dict[str, str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def run(*, n: int = 400, percall_rounds: int = 7, rounds: int = 3, producers: tuple[int, ...] = (8, 32),
+def run(*, n: int = 300, percall_rounds: int = 15, rounds: int = 3, producers: tuple[int, ...] = (8, 32),
         tenants: tuple[int, ...] = (1, 1_000), work_ms: tuple[float, ...] = (0, 10),
         work_at: tuple[str, ...] = ("before", "after"), seconds: float = 1.5, warmup: float = 0.4,
         processes: int = 0, peers: bool = True) -> dict[str, Any]:

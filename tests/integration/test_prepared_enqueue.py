@@ -32,6 +32,12 @@ def _ours(conn: psycopg.Connection[Any]) -> list[str]:
     return [str(r[0]) for r in rows]
 
 
+def _exists(db: Database, job_id: int) -> bool:
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        row = conn.execute(f'SELECT count(*) FROM "{db.schema}".jobs WHERE id = %s', (job_id,)).fetchone()
+        return row is not None and row[0] == 1
+
+
 def _job(db: Database, job_id: int) -> dict[str, Any]:
     with psycopg.connect(db.dsn, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{db.schema}"')
@@ -53,19 +59,41 @@ def test_an_idle_autocommit_connection_takes_the_prepared_call(queue: Queue, db:
     assert _job(db, second)["payload"] == {"n": 2}
 
 
-def test_a_transaction_or_a_key_takes_the_cursor(queue: Queue, db: Database, server_dsn: str) -> None:
+def test_psycopgs_rollback_forgets_its_statements_so_a_transaction_takes_the_cursor(
+    queue: Queue, db: Database, caller: psycopg.Connection[Any]
+) -> None:
+    """psycopg sends DEALLOCATE ALL when a transaction in which it prepared
+    statements rolls back; a prepared statement of tenantq's inside the
+    next transaction would then abort it. So inside one: the cursor."""
+    queue.enqueue("acme", "demo.hello", {"n": 0}, conn=caller)  # prepared, idle
+    for n in range(3):
+        with caller.transaction():
+            for _ in range(6):  # psycopg prepares a statement run 5 times
+                caller.execute("SELECT 1 + %s", (n,))
+            queue.enqueue("acme", "demo.hello", {"n": n}, conn=caller)
+            raise psycopg.Rollback  # rolled back by the block, not raised
+    with caller.transaction():
+        held = queue.enqueue("acme", "demo.hello", {"n": "kept"}, conn=caller)
+        assert not _exists(db, held), "visible before the commit"
+    assert _exists(db, held)
+    idle = queue.enqueue("acme", "demo.hello", {"n": "idle"}, conn=caller)
+    assert _job(db, idle)["payload"] == {"n": "idle"}
+
+
+def test_where_it_is_not_safe_the_cursor(queue: Queue, db: Database) -> None:
     with psycopg.connect(db.dsn) as conn:  # not autocommit: the enqueue begins the caller's transaction
         job = queue.enqueue("acme", "demo.hello", {"n": 1}, conn=conn)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
         assert _ours(conn) == []
         conn.rollback()
-    with psycopg.connect(db.dsn) as other:
-        found = other.execute(f'SELECT count(*) FROM "{db.schema}".jobs WHERE id = %s', (job,)).fetchone()
-        assert found == (0,)
+    assert not _exists(db, job)
     with psycopg.connect(db.dsn, autocommit=True) as conn:
         keyed = queue.enqueue("acme", "demo.hello", {"n": 1}, key="k1", conn=conn)
-        assert _ours(conn) == []
+        assert _ours(conn) == [], "a keyed job may wait for another producer's: never a blocking call"
         assert queue.enqueue("acme", "demo.hello", {"n": 2}, key="k1", conn=conn) == keyed
+    with psycopg.connect(db.dsn, autocommit=True, prepare_threshold=None) as conn:
+        queue.enqueue("acme", "demo.hello", {"n": 1}, conn=conn)
+        assert _ours(conn) == [], "prepare_threshold=None: no prepared statements on this connection"
 
 
 def test_every_field_is_written_as_by_the_cursor(queue: Queue, db: Database,

@@ -8,14 +8,18 @@ same round trip without it (docs/benchmarks.md, "Producers").
 
 Used only where that is safe, else the caller runs the statement on a
 cursor as usual (`execute` returns None):
-- the connection is idle and in autocommit: no transaction of anyone's is
-  open on it or begun by the statement (psycopg begins one with the first
-  statement on a connection that is not in autocommit), so a
-  failure aborts nothing, and a statement the server no longer knows (after
-  `DISCARD ALL`, or a pooler's switch of server connection) is prepared
-  again and run once more;
-- not in pipeline mode; the connection's lock is held throughout, as
-  psycopg holds it for its own statements;
+- the connection allows prepared statements (`prepare_threshold` is not
+  None: psycopg's own switch, which a caller behind an old transaction-
+  pooling PgBouncer turns off) and is not in pipeline mode; its lock is
+  held throughout, as psycopg holds it for its own statements;
+- it is idle in autocommit: no transaction is open or begun by the
+  statement, so a failure aborts nothing, and a statement the server no
+  longer knows is prepared again and run once more. Not inside a
+  transaction: there that error would abort the caller's transaction, and
+  it happens in ordinary use, not only after a `DISCARD ALL` or a pooler's
+  switch of server connection: psycopg sends `DEALLOCATE ALL` when a
+  transaction in which it prepared statements of its own rolls back
+  (found by tests/integration/test_producer_path.py's many producers);
 - the statement never waits for a lock (a blocking libpq call cannot be
   interrupted by Ctrl-C): the one-job enqueue without an idempotency key
   (with one, it may wait for another producer's uncommitted job).
@@ -91,11 +95,8 @@ def execute(conn: psycopg.Connection[Any], text: str,
     values = [_as_text(params[n]) for n in names]
     with conn.lock:
         pgconn = conn.pgconn
-        # idle and in autocommit: on a connection that is not, psycopg
-        # begins a transaction with the next statement, and the job must be
-        # written in it
         if not conn.autocommit or pgconn.transaction_status != pq.TransactionStatus.IDLE or \
-                pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                conn.prepare_threshold is None or pgconn.pipeline_status != pq.PipelineStatus.OFF:
             return None
         known = _known.setdefault(conn, set())
         for attempt in (1, 2):
