@@ -3,9 +3,16 @@ alone, and a bare INSERT with none of tenantq's features, each on one
 prepared autocommit connection to the same server (docs/benchmarks.md,
 "Producers": the floor under single enqueue).
 
-Variants are run interleaved, `rounds` times, and the median is reported:
+Variants are run interleaved, `rounds` short rounds of `n` calls, and the
+median is reported, with each variant's time over `bare + NOTIFY`'s as the
+median of the rounds' paired ratios (commit latency drifts over seconds on
+the machines measured; both sides of a round's ratio see the same spell):
 - `Queue.enqueue`: the public call (validation, pool, the statement);
-- `one-job statement`: jobs.sql `insert_one`, raw (what `enqueue` runs);
+- `one-job statement`: jobs.sql `insert_one` on psycopg's cursor (what
+  `enqueue` runs inside a caller's transaction);
+- `one-job statement, prepared call`: the same through libpq's
+  prepared-statement call (store/prepared.py: what `enqueue` runs on an
+  idle autocommit connection, its pool's included);
 - `many-job statement`: jobs.sql `insert` (`enqueue_many`) for one job;
 - `bare INSERT`: `INSERT INTO jobs ... RETURNING id`, no wake row, no
   NOTIFY: what psycopg reaches with no queue at all;
@@ -26,14 +33,14 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import Queue
-from tenantq.store import validation
+from tenantq.store import prepared, validation
 from tenantq.store.enqueue import _insert_params
 from tenantq.store.queries import qualified
 
 console = Console(width=120)
 
 def _per_call_ms(call: Any, n: int) -> float:
-    for _ in range(min(50, n)):
+    for _ in range(min(20, n)):
         call()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -41,7 +48,7 @@ def _per_call_ms(call: Any, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def run(*, n: int = 1_500, rounds: int = 3) -> dict[str, Any]:
+def run(*, n: int = 150, rounds: int = 31) -> dict[str, Any]:
     payload = {"tenant": "t1", "seq": 1}
     text = '{"tenant": "t1", "seq": 1}'
     with scratch_schema("floor") as db:
@@ -61,12 +68,14 @@ def run(*, n: int = 1_500, rounds: int = 3) -> dict[str, Any]:
                     "channel": db.notify_channel, "note": ""}
         queue = Queue(db.dsn, schema=db.schema)
         times: dict[str, list[float]] = {}
-        with psycopg.connect(db.dsn, autocommit=True) as conn:
+        with psycopg.connect(db.dsn, autocommit=True) as conn, \
+                psycopg.connect(db.dsn, autocommit=True) as direct:
             def raw(sql: str, args: Any) -> Any:
                 return lambda: conn.execute(sql, args, prepare=True).fetchall()
             variants = {
                 "Queue.enqueue": lambda: queue.enqueue("t1", "bench.noop", payload),
                 "one-job statement": raw(one, one_args),
+                "one-job statement, prepared call": lambda: prepared.execute(direct, one, one_args),
                 "many-job statement": raw(statement, params),
                 "bare INSERT": raw(bare, bare_args),
                 "bare + NOTIFY": raw(notify, (*bare_args, db.notify_channel)),
@@ -78,13 +87,18 @@ def run(*, n: int = 1_500, rounds: int = 3) -> dict[str, Any]:
                     times.setdefault(name, []).append(_per_call_ms(call, n))
         queue.close()
         machine = machine_info(db)
-    rows = {name: {"median_ms": statistics.median(v), "runs_ms": v} for name, v in times.items()}
+    base = times["bare + NOTIFY"]
+    rows = {name: {"median_ms": statistics.median(v), "runs_ms": v,
+                   "vs_bare_notify": statistics.median(a / b for a, b in zip(v, base, strict=True))}
+            for name, v in times.items()}
     table = Table(title=f"one enqueue, ms per call (median of {rounds} x {n:,})")
     table.add_column("variant")
     table.add_column("ms", justify="right")
     table.add_column("per s", justify="right")
+    table.add_column("/ bare + NOTIFY", justify="right")
     for name, row in rows.items():
-        table.add_row(name, f"{row['median_ms']:.3f}", f"{1e3 / row['median_ms']:,.0f}")
+        table.add_row(name, f"{row['median_ms']:.3f}", f"{1e3 / row['median_ms']:,.0f}",
+                      f"{row['vs_bare_notify']:.2f}x")
     console.print(table)
     result = {"benchmark": "enqueue-floor", "machine": machine, "settings": {"n": n, "rounds": rounds},
               "results": rows}

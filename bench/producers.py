@@ -8,8 +8,10 @@ A. Per call: one enqueue per call on one autocommit connection, in a loop (50 un
    pipelined BEGIN; INSERT; NOTIFY; COMMIT (one round trip), the bare INSERT alone (a reference), and
    PgQueuer's `enqueue` on each of its drivers (bench/peers/pgqueuer_producers.py). `percall_rounds`
    rounds of `n` calls, every variant once per round (short rounds, many of them: a burst of load
-   from elsewhere on the machine falls on one sample of one variant); medians. tenantq's time / the
-   bare baseline's (the faster form; async against async) has the goal <= 1.3; tenantq's rate /
+   from elsewhere on the machine falls on one sample of one variant); medians. The ratios are the
+   medians of each round's ratio (paired: this machine's commit latency drifts by tens of percent
+   over seconds, and both sides of a round's ratio see the same spell). tenantq's time / the bare
+   baseline's (the faster form; async against async) has the goal <= 1.3; tenantq's rate /
    PgQueuer's best driver's, >= 1.0.
 B. Concurrent producers: P producers, threads of one process each with its own connection, each
    running `BEGIN; W ms of its own work (a sleep); enqueue one job; COMMIT` in a loop, and the same
@@ -118,6 +120,11 @@ PERCALL_SETTINGS = {
 }
 
 
+def _paired(numerators: list[float], denominators: list[float]) -> float:
+    """The median of the rounds' ratios."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators, strict=True))
+
+
 def _percall_table(times: dict[str, list[float]], *, n: int, rounds: int) -> dict[str, Any]:
     med = {name: statistics.median(v) for name, v in times.items()}
     bare_sync = min(("bare, one statement", "bare, pipelined"), key=lambda k: med[k])
@@ -135,11 +142,14 @@ def _percall_table(times: dict[str, list[float]], *, n: int, rounds: int) -> dic
         row: dict[str, Any] = {"setting": PERCALL_SETTINGS[name], **summarise(samples), "runs_ms": samples}
         vs_bare = vs_pgq = ""
         if name in bases:
-            row["time_vs_bare"] = med[name] / med[bases[name]]
+            # ratios paired by round (every variant runs once per round, so a
+            # slow spell of the machine's disk falls on both sides of a ratio),
+            # then the median of those
+            row["time_vs_bare"] = _paired(samples, times[bases[name]])
             row["bare"] = bases[name]
             vs_bare = _verdict(row["time_vs_bare"], row["time_vs_bare"] <= PER_CALL_GOAL)
             if best_pgq:
-                row["rate_vs_pgqueuer"] = med[best_pgq] / med[name]
+                row["rate_vs_pgqueuer"] = _paired(times[best_pgq], samples)
                 vs_pgq = _verdict(row["rate_vs_pgqueuer"], row["rate_vs_pgqueuer"] >= PGQUEUER_GOAL)
         marks = [label for label, chosen in (("the sync baseline", bare_sync), ("PgQueuer's best", best_pgq))
                  if name == chosen]
@@ -245,7 +255,7 @@ def _table_rows(dsn: str, schemas: dict[str, str]) -> dict[str, dict[str, int]]:
     return out
 
 
-def run(*, n: int = 300, percall_rounds: int = 15, rounds: int = 3, producers: tuple[int, ...] = (8, 32),
+def run(*, n: int = 150, percall_rounds: int = 31, rounds: int = 3, producers: tuple[int, ...] = (8, 32),
         tenants: tuple[int, ...] = (1, 1_000), work_ms: tuple[float, ...] = (0, 10),
         work_at: tuple[str, ...] = ("before", "after"), seconds: float = 1.5, warmup: float = 0.4,
         processes: int = 0, peers: bool = True) -> dict[str, Any]:

@@ -94,6 +94,10 @@ def test_where_it_is_not_safe_the_cursor(queue: Queue, db: Database) -> None:
     with psycopg.connect(db.dsn, autocommit=True, prepare_threshold=None) as conn:
         queue.enqueue("acme", "demo.hello", {"n": 1}, conn=conn)
         assert _ours(conn) == [], "prepare_threshold=None: no prepared statements on this connection"
+    with psycopg.connect(db.dsn, autocommit=True, client_encoding="LATIN1") as conn:
+        job = queue.enqueue("acme", "demo.hello", {"name": "Jose"}, conn=conn)
+        assert _ours(conn) == [], "another client_encoding: the cursor, which encodes for it"
+    assert _job(db, job)["payload"] == {"name": "Jose"}
 
 
 def test_every_field_is_written_as_by_the_cursor(queue: Queue, db: Database,

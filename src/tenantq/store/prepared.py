@@ -24,7 +24,8 @@ cursor as usual (`execute` returns None):
   interrupted by Ctrl-C): the one-job enqueue without an idempotency key
   (with one, it may wait for another producer's uncommitted job).
 
-Parameters go as text with their types left to the server, which takes
+Parameters go as UTF-8 text (a connection with another client_encoding
+takes the cursor) with their types left to the server, which takes
 them from the statement (a column, a cast), so one prepared statement
 serves every value; results come back as text.
 """
@@ -96,9 +97,12 @@ def execute(conn: psycopg.Connection[Any], text: str,
     with conn.lock:
         pgconn = conn.pgconn
         if not conn.autocommit or pgconn.transaction_status != pq.TransactionStatus.IDLE or \
-                conn.prepare_threshold is None or pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                conn.prepare_threshold is None or pgconn.pipeline_status != pq.PipelineStatus.OFF or \
+                pgconn.parameter_status(b"client_encoding") != b"UTF8":  # the text is sent as UTF-8
             return None
-        known = _known.setdefault(conn, set())
+        known = _known.get(conn)
+        if known is None:
+            known = _known[conn] = set()
         for attempt in (1, 2):
             if name not in known:
                 _prepare(conn, name, sql)
@@ -133,17 +137,16 @@ def _error(conn: psycopg.Connection[Any], result: pq.abc.PGresult) -> psycopg.Er
     if conn.pgconn.status == pq.ConnStatus.BAD:
         message = (result.error_message or b"the connection to the server was lost").decode(errors="replace")
         return psycopg.OperationalError(message.strip())
-    return error_from_result(result, encoding=conn.info.encoding)
+    return error_from_result(result, encoding="utf-8")
 
 
 def _rows(conn: psycopg.Connection[Any], result: pq.abc.PGresult) -> list[dict[str, Any]]:
     if result.status != pq.ExecStatus.TUPLES_OK:
         return []
-    encoding = conn.info.encoding
-    columns = [(result.fname(i) or b"").decode(encoding) for i in range(result.nfields)]
+    columns = [(result.fname(i) or b"").decode() for i in range(result.nfields)]
     rows = []
     for row in range(result.ntuples):
         values = [result.get_value(row, i) for i in range(result.nfields)]
-        rows.append({c: None if v is None else bytes(v).decode(encoding)
+        rows.append({c: None if v is None else bytes(v).decode()
                      for c, v in zip(columns, values, strict=True)})
     return rows
