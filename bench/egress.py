@@ -31,6 +31,7 @@ from bench.common import machine_info, save, scratch_schema
 from tenantq.dispatch.executors.contract import EgressUsed, JobEnded, JobStarted
 from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.executors.warm import WarmPolicy
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.egress.config import EgressConfig
 from tenantq.egress.policy import EgressPolicy, parse_rules
 from tenantq.egress.proxy import AddressGuard, EgressHub
@@ -39,7 +40,6 @@ from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
-from tenantq.store.model import Batch, ClaimedJob
 
 console = Console(width=150)
 APP = "bench.egress_app"

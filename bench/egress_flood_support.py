@@ -333,10 +333,10 @@ class _Box:
 
 def dispatcher(spec: dict[str, Any]) -> None:
     from tenantq.dispatch.executors.egress import EgressProxies
+    from tenantq.domain.records import Batch, ClaimedJob
     from tenantq.egress.config import CA_NAME, SOCKET_NAME
     from tenantq.registry import Registry
     from tenantq.secrets import FileSecrets
-    from tenantq.store.model import Batch, ClaimedJob
 
     port = int(spec["port"])
     for name in spec["check_names"]:  # the wildcard DNS, seen from this namespace

@@ -33,7 +33,8 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import Queue
-from tenantq.store import prepared, validation
+from tenantq.domain import validation
+from tenantq.store import prepared
 from tenantq.store.enqueue import _insert_params
 from tenantq.store.queries import qualified
 

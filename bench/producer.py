@@ -26,9 +26,9 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import AsyncQueue, Queue
+from tenantq.domain.records import Settlement
 from tenantq.store import jobs
 from tenantq.store.db import Database
-from tenantq.store.model import Settlement
 
 console = Console(width=150)
 ORDERS = "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, tenant text, total numeric)"

@@ -33,12 +33,12 @@ from rich.table import Table
 
 from bench.common import machine_info, save, scratch_schema
 from tenantq import JobSpec, Queue
+from tenantq.domain.records import Settlement
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.settings import Settings
 from tenantq.store import jobs as store_jobs
 from tenantq.store.db import Database, start_embedded
 from tenantq.store.embedded import embedded_pgdata, stop_embedded
-from tenantq.store.model import Settlement
 
 console = Console(width=160)
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,12 +32,12 @@ from tenantq.dispatch.executors.contract import JobEnded, JobStarted
 from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
-from tenantq.store.model import Batch, ClaimedJob
 
 console = Console(width=150)
 APP = "bench.warm_app"

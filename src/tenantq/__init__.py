@@ -14,6 +14,7 @@
 from typing import TYPE_CHECKING, Any
 
 from tenantq import builtins as builtins  # registers tenantq.python
+from tenantq.domain.records import JobInfo
 from tenantq.errors import (
     DatabaseUnavailable,
     HostFunctionError,
@@ -26,7 +27,6 @@ from tenantq.errors import (
 )
 from tenantq.host_functions import HostContext, host_function
 from tenantq.registry import REGISTRY, Handler, JobContext, Registry, handler, periodic, warmup
-from tenantq.store.model import JobInfo
 
 if TYPE_CHECKING:
     from tenantq.queue import AsyncQueue, JobSpec, Queue

@@ -13,9 +13,9 @@ import click
 from pydantic import ValidationError
 
 from tenantq import __version__
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput, TenantqError, WaitTimeout
 from tenantq.queue import Queue
-from tenantq.store import validation
 
 F = TypeVar("F", bound=Callable[..., Any])
 

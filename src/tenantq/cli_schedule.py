@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 
 if TYPE_CHECKING:
     from tenantq.queue import Queue

@@ -35,10 +35,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenantq.domain import validation
 from tenantq.errors import HostFunctionError, InvalidInput, NoAppDatabase
 from tenantq.guest.protocol import MAX_CALL_REQUEST_BYTES, MAX_JSON_DEPTH, json_depth
 from tenantq.registry import REGISTRY, Registry
-from tenantq.store import validation
 
 # calls listed per attempt (all are counted)
 MAX_RECORDED_CALLS = 100

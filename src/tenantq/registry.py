@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from tenantq.domain import validation
 from tenantq.egress.policy import Rule, parse_rules
 from tenantq.errors import HostFunctionError, InvalidInput, NoAppDatabase, TenantqError
-from tenantq.store import validation
 
 Isolation = Literal["sandbox", "inline"]
 # "job": a fresh process per job (the default; docs/security.md rule C2);
@@ -234,9 +234,9 @@ class Registry:
         self._periodics.append(declared)
 
     def periodic_schedules(self) -> list[Any]:
-        """The app's declared schedules (store.schedules.ScheduleSpec), one per
+        """The app's declared schedules (domain.schedules.ScheduleSpec), one per
         tenant; a @periodic function that is no handler is an InvalidInput."""
-        from tenantq.store.schedules import spec
+        from tenantq.domain.schedules import spec
 
         kinds = {id(h.func): h.kind for h in self._handlers.values()}
         out: list[Any] = []
@@ -333,7 +333,7 @@ def periodic(
     on `@tenantq.handler(KIND)`. Every worker that loads the app keeps the
     schedules in step (docs/periodic.md); one job per fire time, however
     many workers run."""
-    from tenantq.store.cron import cron_expression, time_zone
+    from tenantq.domain.cron import cron_expression, time_zone
 
     expression, zone = cron_expression(cron), time_zone(timezone)
     tenants = (tenant,) if isinstance(tenant, str) else tuple(tenant)

@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from tenantq.store.model import JobInfo
+from tenantq.domain.formatting import duration
+from tenantq.domain.records import JobInfo
 
 # piped output: wide enough that no table is squeezed (tables only take the
 # width their content needs)
@@ -49,21 +50,6 @@ def _age(seconds: Any) -> str:
     return f"{s / 3600:.1f}h"
 
 
-def span(seconds: float) -> str:
-    """A length of time for people: 45s, 4m 05s, 2h 10m, 3d 4h."""
-    total = max(0, int(seconds))
-    if total < 60:
-        return f"{total}s"
-    minutes, secs = divmod(total, 60)
-    if minutes < 60:
-        return f"{minutes}m {secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h {minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d {hours}h"
-
-
 def fire_time(value: Any, zone: str | None = None, *, now: datetime | None = None,
               relative: bool = True) -> str:
     """A schedule's fire time in its own time zone, and how far it is:
@@ -81,9 +67,9 @@ def fire_time(value: Any, zone: str | None = None, *, now: datetime | None = Non
         return shown
     delta = (value - (now or datetime.now(UTC))).total_seconds()
     if delta >= 1:
-        return f"{shown} (in {span(delta)})"
+        return f"{shown} (in {duration(delta)})"
     if delta <= -1:
-        return f"{shown} ({span(-delta)} ago)"
+        return f"{shown} ({duration(-delta)} ago)"
     return f"{shown} (now)"
 
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from tenantq.domain import validation
 from tenantq.egress.policy import Rule, parse_rule
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 
 SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")

@@ -118,7 +118,7 @@ class Settings(BaseSettings):
 
     def retention(self) -> dict[str, float]:
         """Seconds per final status (InvalidInput, one line, for a bad value)."""
-        from tenantq.store.validation import duration
+        from tenantq.domain.validation import duration
 
         return {"done": duration(self.retain_done, "TENANTQ_RETAIN_DONE"),
                 "cancelled": duration(self.retain_cancelled, "TENANTQ_RETAIN_CANCELLED"),
@@ -126,7 +126,7 @@ class Settings(BaseSettings):
 
     def batch_retention(self) -> float:
         """Seconds an ended batch's record is kept (InvalidInput, one line, when bad)."""
-        from tenantq.store.validation import duration
+        from tenantq.domain.validation import duration
 
         return duration(self.retain_batches, "TENANTQ_RETAIN_BATCHES")
 

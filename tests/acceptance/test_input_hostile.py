@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from tenantq import JobSpec, Queue
+from tenantq.domain.validation import MAX_PAYLOAD_DEPTH
 from tenantq.errors import InvalidInput
 from tenantq.store.db import Database
-from tenantq.store.validation import MAX_PAYLOAD_DEPTH
 from tests.acceptance.helpers import Cli, one_error_line, query
 
 NUL = "payload contains a NUL character (\\u0000), which Postgres cannot store"

@@ -23,11 +23,11 @@ from tenantq import JobSpec, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import JobInfo
 from tenantq.errors import JobNotFound
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.registry import Registry
 from tenantq.store.db import Database
-from tenantq.store.model import JobInfo
 from tenantq.testing import wait_until
 from tests.integration.helpers import fetch_all, running, scalar
 

@@ -14,10 +14,10 @@ import pytest
 import tenantq
 from tenantq import Queue
 from tenantq.dispatch.outcome import Backoff, failed
+from tenantq.domain.records import Batch, Settlement
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.store import jobs
 from tenantq.store.db import Conn, Database
-from tenantq.store.model import Batch, Settlement
 from tests.integration.helpers import db_now, fetch_all, fetch_one
 
 LEASE = 30.0

@@ -11,12 +11,12 @@ from datetime import datetime, timedelta
 import pytest
 
 from tenantq import Queue
+from tenantq.domain.records import Batch
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import MAX_CREDIT, Mode
 from tenantq.fairness.picker import add_to_deficits
 from tenantq.store import wakes
 from tenantq.store.db import Conn, Database
-from tenantq.store.model import Batch
 from tenantq.testing import wait_until
 from tests.integration.helpers import db_now, fetch_one
 

@@ -12,12 +12,12 @@ import pytest
 
 import tenantq
 from tenantq import JobSpec, Queue
+from tenantq.domain.records import NewJob
+from tenantq.domain.validation import MAX_PAYLOAD_BYTES
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.store import enqueue
 from tenantq.store.db import Database
-from tenantq.store.model import NewJob
 from tenantq.store.steps import run
-from tenantq.store.validation import MAX_PAYLOAD_BYTES
 from tests.integration.helpers import db_now, fetch_all, fetch_one, scalar, table_counts
 
 REQUEST = ClaimRequest(worker_id="test-claimer", driver="test", batch_size=10, lease_seconds=30)

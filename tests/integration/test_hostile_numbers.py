@@ -20,12 +20,12 @@ from tenantq import Queue
 from tenantq.dispatch.executors.contract import JobEnded, JobStarted, Report
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.domain.records import Batch, Settlement
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import MAX_CREDIT, MAX_JOB_SECONDS, Mode
 from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
 from tenantq.store.migrate import migrate
-from tenantq.store.model import Batch, Settlement
 from tenantq.store.queries import migration_files
 from tests.integration.helpers import WorkerThread, fetch_all, fetch_one, status_counts
 

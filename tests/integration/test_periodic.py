@@ -27,10 +27,11 @@ from tenantq import Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.domain.cron import next_fire, wall_clock
+from tenantq.domain.schedules import spec as schedule_spec
 from tenantq.errors import InvalidInput
 from tenantq.registry import Registry
 from tenantq.store import schedules
-from tenantq.store.cron import next_fire, wall_clock
 from tenantq.store.db import Database
 from tenantq.store.steps import Steps, run
 from tenantq.testing import wait_until
@@ -81,7 +82,7 @@ def _fire(db: Database, now: datetime | None = None) -> list[tuple[int, int]]:
 def _add(db: Database, tenant: str, cron: str, *, now: datetime, timezone: str = "UTC",
          name: str | None = None) -> dict[str, Any]:
     """A schedule whose next fire is computed from `now` (not the clock)."""
-    spec = schedules.spec(tenant, "ctl.tick", cron, timezone=timezone, name=name)
+    spec = schedule_spec(tenant, "ctl.tick", cron, timezone=timezone, name=name)
     row: dict[str, Any] = _steps(db, schedules.upsert_steps(spec, origin="db", now=now))
     return row
 
@@ -311,7 +312,7 @@ def test_fires_missed_while_no_worker_ran_are_enqueued_once_for_the_latest(queue
     assert fire_time == _floor(info.created_at.astimezone(UTC), 5), (fire_time, info.created_at)
     assert fire_time - an_hour_ago >= timedelta(minutes=60)
     assert info.status == "done" and info.result["fire_time"] == info.meta["fire_time"]  # type: ignore[index]
-    # keyed by the schedule's wall-clock time (store/cron.py `wall_clock`)
+    # keyed by the schedule's wall-clock time (domain/cron.py `wall_clock`)
     assert info.idempotency_key == f"schedule:{schedule['schedule_id']}:{wall_clock(fire_time, 'UTC')}"
     row = queue.schedules()[0]
     assert row["last_fire_at"] == fire_time and row["last_job_id"] == job["id"]

@@ -13,10 +13,10 @@ import tests.apps.basic  # noqa: F401  (registers the demo.* handlers)
 from tenantq import REGISTRY, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import Settlement
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
-from tenantq.store.model import Settlement
 from tenantq.testing import drain, wait_until
 from tests.integration.helpers import fetch_all, fetch_one, running, scalar, status_counts
 

@@ -25,10 +25,10 @@ import pytest
 
 import tenantq
 from tenantq import JobSpec, Queue
+from tenantq.domain.records import Batch
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.fairness.drr import Mode
 from tenantq.store.db import Conn, Database
-from tenantq.store.model import Batch
 from tests.integration.helpers import db_now, fetch_all, scalar, table_counts
 
 NOOP = "demo.noop"

@@ -20,13 +20,13 @@ from tenantq.dispatch import maintenance
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
+from tenantq.domain.records import Settlement
 from tenantq.fairness import ClaimRequest, claim_next
 from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.settings import Settings
 from tenantq.store import jobs, wakes
 from tenantq.store.db import Database
-from tenantq.store.model import Settlement
 from tenantq.store.steps import Steps, run
 from tests.integration.helpers import fetch_all, scalar
 

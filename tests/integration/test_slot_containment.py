@@ -25,8 +25,8 @@ from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff, is_transient
 from tenantq.dispatch.settle import BatchRun
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import Batch
 from tenantq.store.db import Database
-from tenantq.store.model import Batch
 from tenantq.testing import wait_until
 from tests.integration.helpers import WorkerThread, fetch_all, fetch_one, running, scalar
 

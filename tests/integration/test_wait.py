@@ -43,11 +43,11 @@ from tenantq.client.listener import (
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import Batch, Settlement
 from tenantq.queue import POOL_MAX
 from tenantq.registry import Registry
 from tenantq.store import jobs
 from tenantq.store.db import Database
-from tenantq.store.model import Batch, Settlement
 from tenantq.testing import wait_until
 from tests.integration.helpers import db_now, running
 

@@ -15,10 +15,10 @@ from tenantq.dispatch.executors.contract import Report
 from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.domain.records import Batch
 from tenantq.registry import REGISTRY
 from tenantq.sandbox.driver import SandboxDriver
 from tenantq.store.db import Database
-from tenantq.store.model import Batch
 from tests.acceptance.helpers import Cli
 from tests.sandbox.conftest import HOSTILE_APP, worker_args
 

@@ -9,9 +9,9 @@ from typing import Any
 from tenantq.dispatch.executors.contract import JobEnded, JobStarted
 from tenantq.dispatch.executors.sandboxed import SandboxExecutor
 from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.registry import REGISTRY, Registry
 from tenantq.sandbox.driver import SandboxDriver
-from tenantq.store.model import Batch, ClaimedJob
 
 WARM_APP = "tests.apps.warm"
 

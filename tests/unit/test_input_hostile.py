@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from tenantq.domain import validation
+from tenantq.domain.validation import MAX_PAYLOAD_DEPTH
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
-from tenantq.store.validation import MAX_PAYLOAD_DEPTH
 
 NUL_MESSAGE = "payload contains a NUL character (\\u0000), which Postgres cannot store"
 

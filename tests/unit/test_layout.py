@@ -55,9 +55,21 @@ def package_imports(pkg: str) -> set[str]:
     return out
 
 
+def test_the_domain_stands_alone() -> None:
+    """Validation, cron, records and formatting import nothing of tenantq but its errors."""
+    assert package_imports("tenantq.domain") <= {"tenantq.errors"}
+
+
 def test_the_store_and_the_schedule_know_nothing_of_what_runs_jobs() -> None:
-    assert package_imports("tenantq.store") <= {"tenantq.errors", "tenantq.settings"}
-    assert package_imports("tenantq.fairness") <= {"tenantq.store", "tenantq.errors"}
+    assert package_imports("tenantq.store") <= {"tenantq.errors", "tenantq.settings", "tenantq.domain"}
+    assert package_imports("tenantq.fairness") <= {"tenantq.store", "tenantq.errors", "tenantq.domain"}
+
+
+def test_handler_side_code_does_not_load_the_store() -> None:
+    """The registry, the secrets and the settings validate through the domain, not the store."""
+    for name in ("tenantq.registry", "tenantq.secrets", "tenantq.settings"):
+        store = {m for m in imports(modules()[name], module_level=False) if m.startswith("tenantq.store")}
+        assert store == set(), name
 
 
 def test_the_sandbox_api_and_its_drivers_know_nothing_of_the_queue() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import random
 
 from tenantq.dispatch.outcome import MAX_ERROR_CHARS, Backoff, failed, succeeded
-from tenantq.store.model import ClaimedJob
+from tenantq.domain.records import ClaimedJob
 
 
 def _job(attempt: int, max_attempts: int = 3) -> ClaimedJob:

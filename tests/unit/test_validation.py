@@ -4,8 +4,8 @@ import math
 
 import pytest
 
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 
 
 @pytest.mark.parametrize("tenant", ["acme", "a", "org:42", "team.eu-1", "x@y", "A" * 128])

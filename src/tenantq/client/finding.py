@@ -23,8 +23,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from tenantq.client.runner import operation
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput
-from tenantq.store import search, validation
+from tenantq.store import search
 from tenantq.store.db import Database
 from tenantq.store.queries import sql
 from tenantq.store.search import JobFilter, JobPage

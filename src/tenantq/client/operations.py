@@ -16,11 +16,12 @@ from datetime import datetime
 from typing import Any
 
 from tenantq.client.runner import Subscribe, Wait, atomic_operation, operation
+from tenantq.domain import validation
+from tenantq.domain.records import JobInfo, NewJob
 from tenantq.egress.policy import parse_rules
 from tenantq.errors import InvalidInput, JobNotFound, WaitTimeout
-from tenantq.store import enqueue, jobs, rates, validation, wakes, workers
+from tenantq.store import enqueue, jobs, rates, wakes, workers
 from tenantq.store.db import Database
-from tenantq.store.model import JobInfo, NewJob
 from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from tenantq.client.runner import atomic_operation, operation
+from tenantq.domain import validation
+from tenantq.domain.schedules import spec as schedule_spec
 from tenantq.errors import InvalidInput
-from tenantq.store import schedules, validation
+from tenantq.store import schedules
 from tenantq.store.steps import Steps
 
 
@@ -30,7 +32,7 @@ class Scheduling:
         (5 fields or @daily...) in `timezone`. With `name`, adding again
         changes that schedule instead of adding another. Returns the
         schedule with its next fire."""
-        schedule = schedules.spec(tenant, kind, cron, payload=payload, timezone=timezone,
+        schedule = schedule_spec(tenant, kind, cron, payload=payload, timezone=timezone,
                                   priority=priority, max_attempts=max_attempts, name=name)
         return (yield from schedules.upsert_steps(schedule, origin="db"))
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from tenantq.store.model import ClaimedJob, Settlement
+from tenantq.domain.records import ClaimedJob, Settlement
 
 MAX_RESULT_BYTES = 1024 * 1024
 MAX_ERROR_CHARS = 4000

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from tenantq.dispatch.cancels import cancelled_error
 from tenantq.dispatch.executors.contract import EgressUsed, Event, HostCallsUsed, JobEnded, JobStarted
 from tenantq.dispatch.outcome import failed, first_line, is_transient, last_resort, succeeded, unstorable
+from tenantq.domain.records import Batch, ClaimedJob, Settlement
 from tenantq.errors import LeaseLost
 from tenantq.fairness.drr import Mode, finite_or_none
 from tenantq.host_functions import merge_counts
@@ -43,7 +44,6 @@ from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob
 from tenantq.store import jobs
 from tenantq.store.db import Conn
-from tenantq.store.model import Batch, ClaimedJob, Settlement
 
 if TYPE_CHECKING:
     from tenantq.dispatch.worker import Worker

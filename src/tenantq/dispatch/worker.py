@@ -50,6 +50,7 @@ from tenantq.dispatch.outcome import first_line, is_transient
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
 from tenantq.dispatch.settle import BatchRun
 from tenantq.dispatch.wakeup import Listener, Wakeup
+from tenantq.domain.records import Batch
 from tenantq.errors import TenantqError
 from tenantq.fairness import ClaimRequest, PickNotes, claim_next
 from tenantq.fairness.slots import class_order, is_lent, reserved_slots
@@ -57,7 +58,6 @@ from tenantq.observe import metrics
 from tenantq.observe.alerts import DeadJob, DeadLetterAlerts
 from tenantq.store import wakes
 from tenantq.store.db import Database, Pool
-from tenantq.store.model import Batch
 from tenantq.store.queries import sql
 from tenantq.store.workers import WorkerRecord
 

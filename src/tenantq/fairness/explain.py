@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from tenantq.domain.records import JobInfo
 from tenantq.store import rates, wakes
 from tenantq.store import workers as worker_registry
 from tenantq.store.db import Conn
-from tenantq.store.model import JobInfo
 from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps, run
 

@@ -29,10 +29,10 @@ from datetime import datetime
 
 import psycopg
 
+from tenantq.domain.records import Batch, Priority
 from tenantq.fairness import drr
 from tenantq.store import jobs, rates, wakes
 from tenantq.store.db import Conn
-from tenantq.store.model import Batch, Priority
 from tenantq.store.queries import composed, sql
 
 # Candidate queues read per side of the cursor. A probe only fails for a

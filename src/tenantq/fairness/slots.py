@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from tenantq.store.model import PRIORITIES, Priority
+from tenantq.domain.records import PRIORITIES, Priority
 
 DEFAULT_INTERACTIVE_SHARE = 0.3
 

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, make_asgi_a
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tenantq.domain.records import ClaimedJob
 from tenantq.store.db import Database
-from tenantq.store.model import ClaimedJob
 from tenantq.store.queries import sql
 
 REGISTRY = CollectorRegistry(auto_describe=True)

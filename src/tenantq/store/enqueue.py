@@ -36,10 +36,10 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
+from tenantq.domain import validation
+from tenantq.domain.records import NewJob
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 from tenantq.store.jobs import jsonb_text
-from tenantq.store.model import NewJob
 from tenantq.store.queries import qualified
 from tenantq.store.steps import Copy, Query, Steps
 

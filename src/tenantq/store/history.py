@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tenantq.store.model import JobInfo
+from tenantq.domain.records import JobInfo
 from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps
 

@@ -14,10 +14,10 @@ from typing import Any
 from psycopg.rows import tuple_row
 from psycopg.types.json import Jsonb
 
+from tenantq.domain.records import Batch, ClaimedJob, JobInfo, Priority, Settlement
 from tenantq.errors import JobNotFound, LeaseLost
 from tenantq.store.db import Conn
 from tenantq.store.history import history_steps, outcome_note
-from tenantq.store.model import Batch, ClaimedJob, JobInfo, Priority, Settlement
 from tenantq.store.queries import composed, sql
 from tenantq.store.steps import Query, Steps, run
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 from tenantq.store.db import Conn
 from tenantq.store.queries import sql
 from tenantq.store.steps import Query, Steps

@@ -24,8 +24,8 @@ from typing import Any, LiteralString
 
 from psycopg.types.json import Jsonb
 
+from tenantq.domain import validation
 from tenantq.errors import InvalidInput
-from tenantq.store import validation
 from tenantq.store.queries import composed
 
 STATUSES = ("pending", "running", "done", "dead", "cancelled")

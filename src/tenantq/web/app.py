@@ -39,9 +39,10 @@ from starlette.routing import BaseRoute, Route
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tenantq.domain import validation
 from tenantq.errors import DatabaseUnavailable, InvalidInput, JobNotFound, TenantqError
 from tenantq.queue import Queue
-from tenantq.store import search, validation
+from tenantq.store import search
 from tenantq.store.queries import sql
 from tenantq.web.format import environment
 from tenantq.web.security import (

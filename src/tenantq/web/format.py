@@ -8,24 +8,9 @@ from typing import Any
 
 import jinja2
 
+from tenantq.domain.formatting import duration
+
 PREVIEW_CHARS = 4000
-
-
-def duration(seconds: Any) -> str:
-    """`3s`, `4m 05s`, `2h 10m`, `3d 4h`; an em dash for nothing."""
-    if seconds is None:
-        return "—"
-    total = max(0, int(float(seconds)))
-    if total < 60:
-        return f"{total}s"
-    minutes, secs = divmod(total, 60)
-    if minutes < 60:
-        return f"{minutes}m {secs:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h {minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d {hours}h"
 
 
 def ago(value: datetime | None) -> str:

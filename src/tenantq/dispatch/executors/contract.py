@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tenantq.store.model import Batch
+from tenantq.domain.records import Batch
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from tenantq.dispatch.executors.contract import EgressUsed
+from tenantq.domain.records import Batch
 from tenantq.egress.config import CA_NAME, SOCKET_NAME, EgressConfig
 from tenantq.egress.inject import Injection
 from tenantq.egress.policy import EgressPolicy, Rule, parse_rules
@@ -28,7 +29,6 @@ from tenantq.observe import metrics
 from tenantq.registry import Registry
 from tenantq.sandbox.driver import Sandbox
 from tenantq.secrets import NoSecrets, SecretsProvider
-from tenantq.store.model import Batch
 
 
 class EgressProxies:

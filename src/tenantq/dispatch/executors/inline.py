@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tenantq.dispatch.executors.contract import HostCallsUsed, JobEnded, JobStarted, Report
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.host_functions import Caller, CallGate, limits_from_settings
 from tenantq.registry import Cancellation, JobContext, Registry
-from tenantq.store.model import Batch, ClaimedJob
 
 if TYPE_CHECKING:
     from tenantq.tenant_data import AppDatabase

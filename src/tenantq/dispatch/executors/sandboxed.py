@@ -32,6 +32,7 @@ from tenantq.dispatch.executors.host_calls import CallServer
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.executors.session import BatchSession
 from tenantq.dispatch.executors.warm import GuestServer, WarmPolicy, WarmStarts
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.egress.config import EgressConfig
 from tenantq.host_functions import Caller, CallGate
 from tenantq.observe import metrics
@@ -42,7 +43,6 @@ from tenantq.sandbox.reaper import collect_host_files
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
 from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
 from tenantq.secrets import SecretsProvider
-from tenantq.store.model import Batch, ClaimedJob
 from tenantq.tenant_data import AppDatabase
 
 log = logging.getLogger("tenantq.sandbox")

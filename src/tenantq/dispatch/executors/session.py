@@ -23,12 +23,12 @@ from typing import Any
 from tenantq.dispatch.executors import records
 from tenantq.dispatch.executors.contract import JobEnded, JobStarted, Report
 from tenantq.dispatch.executors.records import ProtocolViolation
+from tenantq.domain.records import Batch, ClaimedJob
 from tenantq.guest.protocol import FrameError
 from tenantq.registry import Registry
 from tenantq.sandbox.channel import ChannelTimeout, GuestGone
 from tenantq.sandbox.hostside import MAX_STDERR_BYTES
 from tenantq.sandbox.spec import End, ExecResult
-from tenantq.store.model import Batch, ClaimedJob
 
 log = logging.getLogger("tenantq.sandbox")
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from tenantq.domain.records import PRIORITIES, NewJob, Priority
 from tenantq.errors import InvalidInput
-from tenantq.store.model import PRIORITIES, NewJob, Priority
 
 TENANT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 KIND = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,199}$")
