@@ -1,11 +1,20 @@
 """Shared fixtures. Every test that touches Postgres gets a schema of its own
 in the real database (TENANTQ_DATABASE_URL, or the embedded server when it is
-unset), migrated fresh and dropped afterwards."""
+unset), migrated fresh and dropped afterwards.
+
+The session's data dir: TENANTQ_DATA_DIR if it is set (honoured, left as
+found but for what the session started), else a temporary one made here, so
+a test run never writes the machine's /var/lib/tenantq or ~/.local/share;
+at the end an embedded Postgres started in the temporary one is stopped and
+the directory removed (nothing of a run outlives it)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +29,37 @@ from tenantq.store.migrate import migrate
 from tests.appdb import app_schema as app_schema  # the fixture, for every suite
 
 ROOT = Path(__file__).resolve().parent.parent
+_SESSION_DATA_DIR: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get("TENANTQ_DATA_DIR"):
+        made = Path(tempfile.mkdtemp(prefix="tenantq-tests-"))
+        os.environ["TENANTQ_DATA_DIR"] = str(made)  # subprocesses (the CLI, workers) inherit it
+        _SESSION_DATA_DIR.append(made)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for made in _SESSION_DATA_DIR:
+        from tenantq.store.embedded import embedded_pgdata, stop_embedded
+
+        if (embedded_pgdata(made) / "PG_VERSION").exists():
+            stop_embedded(made)
+        _unmount_under(made)
+        shutil.rmtree(made, ignore_errors=True)
+    _SESSION_DATA_DIR.clear()
+
+
+def _unmount_under(path: Path) -> None:
+    """Lazily unmount whatever a sandbox left mounted under `path` (a work
+    dir's quota mount), deepest first, so removing the tree removes nothing else."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return
+    inside = [line.split()[1] for line in mounts if line.split()[1].startswith(f"{path}/")]
+    for target in sorted(inside, key=len, reverse=True):
+        subprocess.run(["umount", "-l", target], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="session")

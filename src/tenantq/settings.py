@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final, Literal
 
 import platformdirs
 from pydantic import Field, field_validator
@@ -15,6 +15,26 @@ if TYPE_CHECKING:
     from tenantq.tenant_data import AppDatabaseConfig
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+# A worker's defaults, written once: the TENANTQ_WORKER_* settings below
+# default to them, `tenantq worker`'s options default to those settings,
+# and dispatch/config.py's WorkerConfig (the library's Worker) to these.
+DEFAULT_WORKER_CONCURRENCY = 4
+DEFAULT_WORKER_BATCH_SIZE = 10
+DEFAULT_WORKER_LEASE_SECONDS = 30.0
+DEFAULT_WORKER_POLL_SECONDS = 1.0
+DEFAULT_WORKER_BACKOFF_BASE = 2.0
+DEFAULT_WORKER_BACKOFF_CAP = 600.0
+DEFAULT_WORKER_FAIR_BY: Final = "jobs"
+DEFAULT_WORKER_QUANTUM_SECONDS = 1.0
+# fairness/slots.py's DEFAULT_INTERACTIVE_SHARE (tests/unit/test_cli_layout.py checks they agree)
+DEFAULT_WORKER_INTERACTIVE_SHARE = 0.3
+DEFAULT_WORKER_SANDBOX: Final = "auto"
+DEFAULT_WORKER_SNAPSHOTS: Final = "auto"
+DEFAULT_WORKER_KEEP_WARM = 0.0
+DEFAULT_WORKER_MAX_BATCHES_PER_SANDBOX = 50
+DEFAULT_WORKER_READY_POOL = 0
+DEFAULT_WORKER_WORK_MB = 128
 
 
 def default_data_dir() -> Path:
@@ -104,6 +124,50 @@ class Settings(BaseSettings):
     host_call_spare_connections: int = Field(default=4, ge=0, le=64,
                                              description="Connections a batch may hold open beyond its "
                                                          "calls in flight.")
+
+    # `tenantq worker`'s defaults (its options win); the ranges are the options'
+    worker_concurrency: int = Field(default=DEFAULT_WORKER_CONCURRENCY, ge=1, le=256,
+                                    description="Slots of a worker: batches it runs at once (--concurrency).")
+    worker_batch_size: int = Field(default=DEFAULT_WORKER_BATCH_SIZE, ge=1, le=10_000,
+                                   description="Most jobs a slot leases at once, all of one tenant "
+                                               "(--batch-size).")
+    worker_lease_seconds: float = Field(default=DEFAULT_WORKER_LEASE_SECONDS, ge=0.5, le=86_400,
+                                        description="A batch's lease, heartbeated three times per period "
+                                                    "(--lease-seconds).")
+    worker_poll_seconds: float = Field(default=DEFAULT_WORKER_POLL_SECONDS, ge=0.05, le=60,
+                                       description="How often an idle slot looks for work when no NOTIFY "
+                                                   "arrives (--poll-seconds).")
+    worker_backoff_base: float = Field(default=DEFAULT_WORKER_BACKOFF_BASE, ge=0, le=3600,
+                                       description="Retry backoff base in seconds: full jitter, doubling "
+                                                   "per attempt (--backoff-base).")
+    worker_backoff_cap: float = Field(default=DEFAULT_WORKER_BACKOFF_CAP, ge=0, le=86_400,
+                                      description="The longest retry backoff in seconds (--backoff-cap).")
+    worker_fair_by: Literal["jobs", "runtime"] = Field(
+        default=DEFAULT_WORKER_FAIR_BY,
+        description="The fair scheduler's cost: one unit per job, or measured run seconds (--fair-by).")
+    worker_quantum_seconds: float = Field(default=DEFAULT_WORKER_QUANTUM_SECONDS, ge=0.001, le=3600,
+                                          description="With fair-by runtime: credit per turn and unit of "
+                                                      "weight (--quantum-seconds).")
+    worker_interactive_share: float = Field(default=DEFAULT_WORKER_INTERACTIVE_SHARE, ge=0, le=1,
+                                            description="Share of a worker's slots reserved for interactive "
+                                                        "work, lent out when unused (--interactive-share).")
+    worker_sandbox: Literal["auto", "gvisor", "process", "inline"] = Field(
+        default=DEFAULT_WORKER_SANDBOX, description="Where a worker's batches run (--sandbox).")
+    worker_snapshots: Literal["auto", "off"] = Field(
+        default=DEFAULT_WORKER_SNAPSHOTS,
+        description="Restore sandboxes from the app's warm template where the driver can (--snapshots).")
+    worker_keep_warm: float = Field(default=DEFAULT_WORKER_KEEP_WARM, ge=0, le=86_400,
+                                    description="Idle seconds a tenant's sandbox is kept for its next batch; "
+                                                "0: never (--keep-warm).")
+    worker_max_batches_per_sandbox: int = Field(default=DEFAULT_WORKER_MAX_BATCHES_PER_SANDBOX, ge=1,
+                                                le=100_000,
+                                                description="Batches a kept-warm sandbox serves before it is "
+                                                            "replaced (--max-batches-per-sandbox).")
+    worker_ready_pool: int = Field(default=DEFAULT_WORKER_READY_POOL, ge=0, le=64,
+                                   description="Pristine sandboxes a worker keeps ready ahead of demand "
+                                               "(--ready-pool).")
+    worker_work_mb: int = Field(default=DEFAULT_WORKER_WORK_MB, ge=1, le=65_536,
+                                description="Quota of a sandbox's work dir in MiB (--work-mb).")
 
     # retention of finished jobs: a number of seconds or 30m, 12h, 7d, 2w
     sandbox_paths: str = Field(

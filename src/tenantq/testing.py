@@ -1,9 +1,15 @@
 """Helpers for testing code that uses tenantq (shipped to users, like
 Oban.Testing): drain a queue synchronously, wait on a condition with a
-deadline instead of sleeping, and, as a pytest plugin
-(`pytest_plugins = ["tenantq.testing"]` or `pytest -p tenantq.testing`),
-the fixtures `tenantq_db` (a fresh, migrated schema of its own on the
-configured database, dropped afterwards) and `tenantq_queue` (a Queue on it).
+deadline instead of sleeping, and the pytest fixtures `tenantq_db` (a
+fresh, migrated schema of its own on the configured database, dropped
+afterwards) and `tenantq_queue` (a Queue on it).
+
+This module is a pytest plugin that installing tenantq registers (the
+`pytest11` entry point `tenantq.testing` in pyproject.toml): the fixtures
+are there in every test, with no `pytest_plugins` line (which is still
+accepted). `pytest -p no:tenantq.testing` turns it off. It imports the
+queue and the worker only when a fixture or `drain()` is used, so pytest
+starts as fast with it as without.
 """
 
 from __future__ import annotations
@@ -11,15 +17,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from tenantq.dispatch.executors.inline import InlineExecutor
-from tenantq.dispatch.outcome import Backoff
-from tenantq.dispatch.worker import Worker, WorkerConfig, WorkerStats
-from tenantq.queue import Queue
-from tenantq.registry import REGISTRY, Registry
-from tenantq.store.db import Database
-from tenantq.tenant_data import AppDatabase
+if TYPE_CHECKING:
+    from tenantq.dispatch.outcome import Backoff
+    from tenantq.dispatch.worker import WorkerStats
+    from tenantq.queue import Queue
+    from tenantq.registry import Registry
+    from tenantq.store.db import Database
+    from tenantq.tenant_data import AppDatabase
 
 T = TypeVar("T")
 
@@ -37,13 +43,32 @@ def drain(
 
     Retries are scheduled with `backoff` (default: no delay at all, so a
     failing job is retried within the same drain until it is dead).
-    `app_db`: an open `tenantq.tenant_data.AppDatabase` for handlers' `ctx.db()`.
+    `app_db`: an open `tenantq.tenant_data.AppDatabase` for handlers'
+    `ctx.db()`; without it, the configured application database is used as
+    `tenantq worker` uses it (TENANTQ_APP_DATABASE_URL, with
+    TENANTQ_APP_DB_ROLE and the other TENANTQ_APP_DB_* settings), opened
+    for this drain and closed after it; with neither, `ctx.db()` raises
+    `NoAppDatabase`.
     """
+    from tenantq.dispatch.build import build_worker
+    from tenantq.dispatch.outcome import Backoff
+    from tenantq.dispatch.worker import WorkerConfig
+    from tenantq.settings import Settings
+    from tenantq.tenant_data import AppDatabase
+
     config = WorkerConfig(
         concurrency=concurrency, batch_size=batch_size, once=True,
         backoff=backoff or Backoff(base_seconds=0.0, cap_seconds=0.0),
     )
-    return Worker(db, InlineExecutor(registry or REGISTRY, app_db=app_db), config).run()
+    owned = None
+    if app_db is None:
+        configured = Settings().app_database()
+        owned = app_db = AppDatabase(configured).open() if configured is not None else None
+    try:
+        return build_worker(db, sandbox="inline", registry=registry, config=config, app_db=app_db).run()
+    finally:
+        if owned is not None:
+            owned.close()
 
 
 def wait_until(
@@ -67,6 +92,7 @@ def wait_until(
 def isolated_schema(prefix: str = "tq_test") -> Database:
     """A new, migrated schema on the configured database (TENANTQ_DATABASE_URL,
     or the embedded Postgres); drop it with `drop_schema`."""
+    from tenantq.store.db import Database
     from tenantq.store.migrate import migrate
 
     base = Database.resolve()
@@ -100,6 +126,8 @@ else:
     @pytest.fixture
     def tenantq_queue(tenantq_db: Database) -> Iterator[Queue]:
         """A Queue on `tenantq_db`."""
+        from tenantq.queue import Queue
+
         queue = Queue(tenantq_db.dsn, schema=tenantq_db.schema)
         try:
             yield queue

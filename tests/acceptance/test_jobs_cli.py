@@ -1,5 +1,7 @@
-"""`tenantq jobs` (finding jobs) and its bulk commands, `tenantq jobs
-cancel` and `tenantq jobs retry-dead`, run as real subprocesses."""
+"""`tenantq jobs` (finding jobs) and the bulk actions on such a filtered
+set, `tenantq cancel FILTERS` and `tenantq dead retry FILTERS`, with their
+deprecated spellings `tenantq jobs cancel` and `tenantq jobs retry-dead`,
+run as real subprocesses."""
 
 from __future__ import annotations
 
@@ -87,12 +89,24 @@ BAD: dict[str, list[str]] = {
     "limit-text": ["jobs", "--limit", "ten"],
     "meta": ["jobs", "--meta", "plan"],
     "before": ["jobs", "--before", "page-2"],
+    "cancel-unfiltered": ["cancel"],
+    "cancel-dry-run-running": ["cancel", "--tenant", "acme", "--dry-run", "--running"],
+    "cancel-id-and-filter": ["cancel", "1", "--actor", "user-7"],
+    "retry-unfiltered": ["dead", "retry"],
+    "retry-id-and-filter": ["dead", "retry", "1", "--kind", "demo.fail"],
+    "retry-since": ["dead", "retry", "--since", "yesterday"],
+    "cancel-json": ["jobs", "--json", "cancel", "--tenant", "acme"],
+}
+
+# the deprecated spellings: their deprecation line, then the same one error line
+BAD_DEPRECATED: dict[str, list[str]] = {
     "cancel-unfiltered": ["jobs", "cancel"],
     "cancel-dead": ["jobs", "cancel", "--tenant", "acme", "--status", "dead"],
     "cancel-two-tenants": ["jobs", "--tenant", "acme", "cancel", "--tenant", "globex"],
-    "cancel-json": ["jobs", "--json", "cancel", "--tenant", "acme"],
     "retry-pending": ["jobs", "retry-dead", "--tenant", "globex", "--status", "pending"],
 }
+DEPRECATED = {"cancel": "tenantq: 'jobs cancel' is deprecated; use 'cancel'",
+              "retry-dead": "tenantq: 'jobs retry-dead' is deprecated; use 'dead retry'"}
 
 
 def test_bad_input_is_one_line_and_changes_nothing(cli: Cli, db: Database,
@@ -103,30 +117,62 @@ def test_bad_input_is_one_line_and_changes_nothing(cli: Cli, db: Database,
         assert res.returncode != 0, (case, res.stdout)
         one_error_line(res.stderr)
         assert res.stdout == "", (case, res.stdout)
+    for case, args in BAD_DEPRECATED.items():
+        res = cli.run(*args)
+        assert res.returncode != 0, (case, res.stdout)
+        first, *rest = res.stderr.splitlines()
+        assert first == DEPRECATED["cancel" if "cancel" in args else "retry-dead"], (case, res.stderr)
+        one_error_line("\n".join(rest))
+        assert res.stdout == "", (case, res.stdout)
     assert status_counts(db) == before
 
 
 def test_cancel_a_filtered_set(cli: Cli, queue: Queue, jobs: dict[str, list[int]]) -> None:
-    assert cli.ok("jobs", "cancel", "--tenant", "acme", "--actor", "user-7", "--dry-run").strip() == \
-        "would cancel 4 job(s)"
+    assert cli.ok("cancel", "--tenant", "acme", "--actor", "user-7", "--dry-run").strip() == \
+        "would cancel 4 pending job(s) (tenant acme, actor user-7)"
     assert {queue.job(i).status for i in jobs["reports"]} == {"pending"}
-    # filters before the command's name count too
-    out = cli.ok("jobs", "--tenant", "acme", "cancel", "--kind", "reports.render", "--meta", "plan=pro")
-    assert out.strip() == "cancelled 4 job(s)"
+    out = cli.ok("cancel", "--tenant", "acme", "--kind", "reports.render", "--meta", "plan=pro")
+    assert out.strip() == \
+        'cancelled 4 pending job(s) (tenant acme, kind reports.render, meta {"plan": "pro"})'
     assert {queue.job(i).status for i in jobs["reports"]} == {"cancelled"}
     assert queue.job(jobs["mail"][0]).status == "pending"
-    assert cli.ok("jobs", "cancel", "--tenant", "acme", "--kind", "reports.render").strip() == \
-        "cancelled 0 job(s)"
-    assert cli.ok("jobs", "cancel", "--all").strip() == "cancelled 1 job(s)"
+    assert cli.ok("cancel", "--kind", "reports.render").strip() == \
+        "cancelled 0 pending job(s) (kind reports.render)"
+    assert cli.ok("cancel", "--all").strip() == "cancelled 1 pending job(s) (every tenant)"
+
+
+def test_jobs_cancel_is_a_hidden_alias_that_says_so(cli: Cli, queue: Queue,
+                                                    jobs: dict[str, list[int]]) -> None:
+    shown = cli.ok("jobs", "--help")
+    assert "Commands:" not in shown and "retry-dead" not in shown, shown  # hidden
+    # filters before the command's name count too
+    res = cli.run("jobs", "--tenant", "acme", "cancel", "--kind", "reports.render", "--status", "pending")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines() == [DEPRECATED["cancel"]]
+    assert res.stdout.strip() == "cancelled 4 pending job(s) (tenant acme, kind reports.render)"
+    assert {queue.job(i).status for i in jobs["reports"]} == {"cancelled"}
+    assert queue.job(jobs["mail"][0]).status == "pending"
 
 
 def test_retry_dead_a_filtered_set(cli: Cli, queue: Queue, jobs: dict[str, list[int]]) -> None:
-    assert cli.ok("jobs", "retry-dead", "--tenant", "acme").strip() == "replayed 0 job(s)"
-    assert cli.ok("jobs", "retry-dead", "--tenant", "globex", "--kind", "demo.fail", "--dry-run").strip() == \
+    assert cli.ok("dead", "retry", "--tenant", "acme").strip() == "replayed 0 job(s)"
+    assert cli.ok("dead", "retry", "--tenant", "globex", "--kind", "demo.fail", "--dry-run").strip() == \
         "would replay 2 job(s)"
-    out = cli.ok("jobs", "retry-dead", "--tenant", "globex", "--status", "dead", "--since", "1h")
+    out = cli.ok("dead", "retry", "--tenant", "globex", "--since", "1h")
     assert out.strip() == "replayed 2 job(s)"
     for job_id in jobs["dead"]:
         info = queue.job(job_id)
         assert (info.status, info.attempts, info.replays) == ("pending", 0, 1)
     assert queue.job(jobs["done"][0]).status == "done"
+
+
+def test_jobs_retry_dead_is_a_hidden_alias_that_says_so(cli: Cli, queue: Queue,
+                                                        jobs: dict[str, list[int]]) -> None:
+    res = cli.run("jobs", "retry-dead", "--tenant", "globex", "--kind", "demo.fail", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "would replay 2 job(s)"
+    assert res.stderr.splitlines() == [DEPRECATED["retry-dead"]]
+    res = cli.run("jobs", "retry-dead", "--tenant", "globex", "--status", "dead", "--since", "1h")
+    assert (res.returncode, res.stdout.strip()) == (0, "replayed 2 job(s)"), res.stderr
+    assert res.stderr.splitlines() == [DEPRECATED["retry-dead"]]
+    assert {queue.job(i).status for i in jobs["dead"]} == {"pending"}

@@ -19,7 +19,7 @@ from tenantq import JobSpec, Queue
 from tenantq.dispatch.executors.inline import InlineExecutor
 from tenantq.dispatch.outcome import Backoff
 from tenantq.dispatch.worker import Worker, WorkerConfig
-from tenantq.observe import metrics
+from tenantq.observe import metrics, queue_metrics
 from tenantq.observe.alerts import DeadLetterAlerts
 from tenantq.store.db import Database
 from tenantq.testing import wait_until
@@ -39,7 +39,7 @@ def _sample(text: str, name: str, **labels: str) -> float | None:
 
 def test_queue_gauges_bound_tenant_labels(db: Database, queue: Queue) -> None:
     queue.enqueue_many([JobSpec(f"t{i}", "demo.noop", {}) for i in range(4) for _ in range(10 * (i + 1))])
-    text = generate_latest(metrics.registry_for(db, top_tenants=2)).decode()
+    text = generate_latest(queue_metrics.registry_for(db, top_tenants=2)).decode()
     # the two biggest tenants have their own series, the rest are summed
     assert _sample(text, "tenantq_pending_jobs", tenant="t3", priority="default") == 40
     assert _sample(text, "tenantq_pending_jobs", tenant="t2", priority="default") == 30

@@ -27,7 +27,7 @@ import pytest
 
 from tenantq.sandbox import cgroups
 from tenantq.sandbox.cgroups import CgroupBox
-from tenantq.sandbox.driver import Sandbox, SandboxDriver
+from tenantq.sandbox.driver import DriverSandbox, SandboxDriver
 from tenantq.sandbox.drivers import bwrap_works, runsc_works
 from tenantq.sandbox.drivers.gvisor import GVisorDriver
 from tenantq.sandbox.drivers.process import ProcessDriver
@@ -250,17 +250,17 @@ def driver(driver_name: str, data_dir: Path, leftovers: Leftovers) -> SandboxDri
     return make_driver(driver_name, data_dir)
 
 
-SandboxFactory = Callable[..., Sandbox]
+SandboxFactory = Callable[..., DriverSandbox]
 
 
 @pytest.fixture
 def make_sandbox(driver: SandboxDriver) -> Iterator[SandboxFactory]:
     """create(spec) with the guest Python mounted; every sandbox is destroyed
     in teardown (destroy is idempotent), before the leftovers check."""
-    created: list[Sandbox] = []
+    created: list[DriverSandbox] = []
     mounts = guest_python().mounts
 
-    def create(**fields: Any) -> Sandbox:
+    def create(**fields: Any) -> DriverSandbox:
         spec = SandboxSpec(**{"tenant": "acme", "memory_mb": 192, "ttl_seconds": 120.0, "mounts": mounts,
                               **fields})
         sandbox = driver.create(spec)

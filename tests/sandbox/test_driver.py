@@ -17,7 +17,7 @@ from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR, SandboxDriver
 from tenantq.sandbox.drivers import gvisor, process
 from tenantq.sandbox.layout import GUEST_UID, guest_python
-from tenantq.sandbox.spec import TAIL_BYTES, ExecResult, Mount, SandboxSpec
+from tenantq.sandbox.spec import TAIL_BYTES, Mount, ProcessResult, SandboxSpec
 from tenantq.testing import wait_until
 from tests.sandbox.conftest import SandboxFactory, cgroups_of, runsc_containers, sandbox_dirs
 
@@ -179,7 +179,7 @@ def test_destroy_right_after_a_run_removes_its_cgroups(make_sandbox: SandboxFact
 def test_destroy_while_running_kills_the_command(make_sandbox: SandboxFactory, python: str,
                                                  data_dir: Path) -> None:
     sandbox = make_sandbox()
-    results: list[ExecResult] = []
+    results: list[ProcessResult] = []
     errors: list[BaseException] = []
 
     def run() -> None:

@@ -25,7 +25,8 @@ from tenantq.testing import wait_until
 from tests.sandbox.test_warm import needs_runsc
 from tests.sandbox.warm_harness import Harness
 
-API_MODULES = {"tenantq.sandbox.boot", "tenantq.sandbox.api", "tenantq.sandbox.forking"}
+API_MODULES = {"tenantq.sandbox.boot", "tenantq.sandbox.api", "tenantq.sandbox.forking",
+               "tenantq.sandbox.runner_boot"}
 # a driver's restore makes its new sandbox with its own create (the restore's caller is checked)
 DRIVER_MODULES = {"tenantq.sandbox.drivers.gvisor", "tenantq.sandbox.drivers.process"}
 

@@ -209,7 +209,7 @@ def test_the_layer_is_the_sandbox_s_own_mount_and_goes_with_it(driver_name: str,
     # the reaper: a sandbox past its TTL whose watchdog is gone (its processes
     # hold the layer; the leftovers check after the test looks for them)
     with Sandbox.create(driver=driver_name, ttl_seconds=180, memory_mb=MEMORY_MB) as sbx:
-        watchdog = sbx._watchdog
+        watchdog = sbx.watchdog
         assert watchdog is not None
         watchdog.kill()
         watchdog.wait(timeout=10)

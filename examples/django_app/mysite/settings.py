@@ -23,12 +23,17 @@ DATABASES = {
 }
 
 # the module whose @tenantq.handler functions `manage.py tenantq_worker` runs
+# (when no --app is given); its database is DATABASES["default"] unless
+# TENANTQ_DATABASE_URL is set
 TENANTQ_APP = "shop.jobs"
 
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "only-for-this-example")
 DEBUG = os.environ.get("DJANGO_DEBUG") == "1"
 ALLOWED_HOSTS = ["127.0.0.1", "localhost"]
-INSTALLED_APPS = ["shop"]
+INSTALLED_APPS = [
+    "tenantq.contrib.django",  # manage.py tenantq_worker, manage.py tenantq_migrate
+    "shop",
+]
 MIDDLEWARE: list[str] = []
 ROOT_URLCONF = "mysite.urls"
 USE_TZ = True

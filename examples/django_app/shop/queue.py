@@ -1,8 +1,7 @@
 """The project's tenantq.Queue: one per process, on the database Django uses
-(TENANTQ_SCHEMA names tenantq's schema in it; default `tenantq`)."""
+(TENANTQ_DATABASE_URL when it is set, else DATABASES["default"];
+TENANTQ_SCHEMA names tenantq's schema in it, default `tenantq`)."""
 
-from django.conf import settings
+from tenantq.contrib.django import get_queue
 
-import tenantq
-
-queue = tenantq.Queue(settings.DATABASE_URL)
+queue = get_queue()

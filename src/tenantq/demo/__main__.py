@@ -36,16 +36,15 @@ from tenantq import Queue
 from tenantq.demo import appdb, scene_fair, scene_reports, scene_reserve, workload
 from tenantq.demo.report import closing_lines, embedded_running, sandboxes_line
 from tenantq.demo.stage import Stage
-from tenantq.dispatch.executors.contract import BatchExecutor
-from tenantq.dispatch.executors.inline import InlineExecutor
-from tenantq.dispatch.executors.sandboxed import SandboxExecutor
+from tenantq.dispatch.build import build_worker
 from tenantq.dispatch.executors.warm import WarmPolicy
 from tenantq.dispatch.outcome import Backoff
-from tenantq.dispatch.worker import Worker, WorkerConfig
+from tenantq.dispatch.worker import WorkerConfig
 from tenantq.egress.config import EgressConfig
 from tenantq.errors import InvalidInput, TenantqError
-from tenantq.registry import REGISTRY, load_app
+from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import get_driver
+from tenantq.secrets import InjectedSecret
 from tenantq.settings import Settings
 from tenantq.store.db import Database
 from tenantq.tenant_data import AppDatabase
@@ -58,23 +57,29 @@ def _reset_schema(db: Database) -> None:
         conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(db.schema)))
 
 
-def _executor(console: Console, sandbox: str, settings: Settings,
-              app_db: AppDatabase | None) -> tuple[BatchExecutor, tuple[str, ...]]:
-    """The sandboxed executor and the poison jobs it can contain; without a
-    working sandbox, the inline executor and only the harmless poison job.
-    `app_db`: scene 3's app database, for the host functions (which run
-    here, in the dispatcher) and inline handlers; never a sandbox's."""
+class _DemoSecrets:
+    """Each tenant's one secret (workload.secrets_for); none injected."""
+
+    def for_tenant(self, tenant: str) -> dict[str, str]:
+        return workload.secrets_for(tenant)
+
+    def injected(self, tenant: str) -> tuple[InjectedSecret, ...]:
+        return ()
+
+
+def _sandbox(console: Console, sandbox: str,
+             settings: Settings) -> tuple[SandboxDriver | str, tuple[str, ...]]:
+    """The sandbox driver and the poison jobs it can contain; without a
+    working sandbox, "inline" and only the harmless poison job."""
     try:
         driver, chosen = get_driver(sandbox, settings.data_dir)
     except InvalidInput as exc:
         # a segfault or an endless loop would take this process: leave them out
         console.print(f"[bold red]{exc}[/]\nRunning inline instead: fairness is shown, isolation is not; "
                       "the segfault, endless-loop and OOM jobs and the network calls are left out.")
-        return InlineExecutor(REGISTRY, app_db=app_db), ("demo.parse_invoice",)
+        return "inline", ("demo.parse_invoice",)
     console.print(chosen)
-    executor = SandboxExecutor(driver, REGISTRY, APP, policy=WarmPolicy(keep_warm_seconds=30),
-                               egress=EgressConfig(allow_networks=("127.0.0.1/32",)), app_db=app_db)
-    return executor, workload.POISON
+    return driver, workload.POISON
 
 
 def _app_database(console: Console, db: Database) -> AppDatabase | None:
@@ -108,18 +113,21 @@ def main(whale_jobs: int, small_jobs: int, concurrency: int, batch_size: int, sa
     console.print(f"[bold]tenantq demo[/] on {db.dsn.split('@')[-1]} (schema {schema})")
     _reset_schema(db)
     app_db = _app_database(console, db)
-    executor, poison = _executor(console, sandbox, settings, app_db)
-    sandboxed = executor.name != "inline"
+    driver, poison = _sandbox(console, sandbox, settings)
     q = Queue(db.dsn, schema=schema)
     q.migrate()
     crm = workload.CRMServer()
     # acme may reach its CRM, mallory only its own API; every other tenant: no network
     q.set_tenant("acme", egress=f"127.0.0.1:{crm.port}")
     q.set_tenant(workload.HOSTILE, egress="api.mallory.example")
-    load_app(APP)
-    worker = Worker(db, executor, WorkerConfig(
+    # `app_db`: scene 3's app database, for the host functions (which run
+    # here, in the dispatcher) and inline handlers; never a sandbox's
+    worker = build_worker(db, app=APP, sandbox=driver, config=WorkerConfig(
         concurrency=concurrency, batch_size=batch_size, poll_seconds=0.2,
-        backoff=Backoff(base_seconds=0.2, cap_seconds=1.0)), secrets=workload.secrets_for)
+        backoff=Backoff(base_seconds=0.2, cap_seconds=1.0)), policy=WarmPolicy(keep_warm_seconds=30),
+        egress=EgressConfig(allow_networks=("127.0.0.1/32",)), app_db=app_db, secrets=_DemoSecrets())
+    executor = worker.executor
+    sandboxed = executor.name != "inline"
     runner = threading.Thread(target=worker.run, name="tenantq-demo-worker", daemon=True)
     runner.start()
     stage = Stage(db=db, q=q, worker=worker, console=console, concurrency=concurrency,

@@ -1,5 +1,7 @@
 """A worker's settings and counters (`WorkerConfig`, `WorkerStats`);
-re-exported by dispatch/worker.py, where they are documented."""
+re-exported by dispatch/worker.py, where they are documented. The
+defaults are settings.py's DEFAULT_WORKER_* (the TENANTQ_WORKER_* settings'
+defaults, which `tenantq worker`'s options take)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,17 @@ from dataclasses import dataclass, field
 from tenantq.dispatch.outcome import Backoff
 from tenantq.errors import InvalidInput
 from tenantq.fairness.drr import Mode
-from tenantq.fairness.slots import DEFAULT_INTERACTIVE_SHARE
+from tenantq.settings import (
+    DEFAULT_WORKER_BACKOFF_BASE,
+    DEFAULT_WORKER_BACKOFF_CAP,
+    DEFAULT_WORKER_BATCH_SIZE,
+    DEFAULT_WORKER_CONCURRENCY,
+    DEFAULT_WORKER_FAIR_BY,
+    DEFAULT_WORKER_INTERACTIVE_SHARE,
+    DEFAULT_WORKER_LEASE_SECONDS,
+    DEFAULT_WORKER_POLL_SECONDS,
+    DEFAULT_WORKER_QUANTUM_SECONDS,
+)
 
 # A worker's connections to tenantq's store when not set: one per slot up
 # to this many. A slot holds one only to claim and to settle (short
@@ -29,16 +41,17 @@ def default_worker_id() -> str:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    concurrency: int = 4
-    batch_size: int = 10
-    lease_seconds: float = 30.0
-    poll_seconds: float = 1.0
+    concurrency: int = DEFAULT_WORKER_CONCURRENCY
+    batch_size: int = DEFAULT_WORKER_BATCH_SIZE
+    lease_seconds: float = DEFAULT_WORKER_LEASE_SECONDS
+    poll_seconds: float = DEFAULT_WORKER_POLL_SECONDS
     flush_seconds: float = 1.0
     once: bool = False
-    backoff: Backoff = field(default_factory=Backoff)
-    fair_by: Mode = Mode.JOBS
-    quantum_seconds: float = 1.0
-    interactive_share: float = DEFAULT_INTERACTIVE_SHARE
+    backoff: Backoff = field(default_factory=lambda: Backoff(base_seconds=DEFAULT_WORKER_BACKOFF_BASE,
+                                                             cap_seconds=DEFAULT_WORKER_BACKOFF_CAP))
+    fair_by: Mode = field(default_factory=lambda: Mode(DEFAULT_WORKER_FAIR_BY))
+    quantum_seconds: float = DEFAULT_WORKER_QUANTUM_SECONDS
+    interactive_share: float = DEFAULT_WORKER_INTERACTIVE_SHARE
     worker_id: str = field(default_factory=default_worker_id)
     # unexpected failures in a row (claims, or batches), with no success in
     # between, after which the worker stops and reports failure

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +46,10 @@ from tenantq.store import jobs
 from tenantq.store.db import Conn
 
 if TYPE_CHECKING:
-    from tenantq.dispatch.worker import Worker
+    from tenantq.dispatch.cancels import CancelBook
+    from tenantq.dispatch.config import WorkerConfig, WorkerStats
+    from tenantq.observe.alerts import DeadLetterAlerts
+    from tenantq.store.db import Pool
 
 log = logging.getLogger("tenantq.worker")
 OUTCOME_LABEL = {"done": "done", "pending": "retry", "dead": "dead", "cancelled": "cancelled"}
@@ -55,12 +58,26 @@ class _GaveUp(Exception):
     """Transient errors outlasted the lease: the reaper owns the jobs now."""
 
 
+@dataclass(frozen=True)
+class SettleContext:
+    """What a batch's settlement needs of its worker, and nothing more: the
+    worker's configuration, its store pool, its book of cancel requests,
+    its counters and its dead-letter alerts (one per worker, shared by its
+    slots)."""
+
+    config: WorkerConfig
+    pool: Pool
+    cancels: CancelBook
+    stats: WorkerStats
+    alerts: DeadLetterAlerts
+
+
 class BatchRun:
     """Settlement bookkeeping for one batch: what started, what ended, what
     is waiting to be written."""
 
-    def __init__(self, worker: Worker, batch: Batch) -> None:
-        self.worker = worker
+    def __init__(self, context: SettleContext, batch: Batch) -> None:
+        self.context = context
         self.batch = batch
         self.jobs: dict[int, ClaimedJob] = {job.id: job for job in batch.jobs}
         self.undecodable = {job.id for job in batch.jobs if isinstance(job.payload, jobs.UndecodablePayload)}
@@ -142,8 +159,8 @@ class BatchRun:
         if job_id not in self.undecodable:
             self.run_seconds = min(self.run_seconds + seconds, self.wall_seconds())
         self._run_times.append((seconds, job))  # observed with the next write
-        backoff = self.worker.config.backoff
-        cancelled = self.worker.cancels.requested(job_id)
+        backoff = self.context.config.backoff
+        cancelled = self.context.cancels.requested(job_id)
         if cancelled:
             # the host's own record of the request decides, whatever the
             # executor reported (rule H2); the attempt ends `cancelled`
@@ -156,10 +173,10 @@ class BatchRun:
         self.pending.append(settlement if event.host_calls is None
                             else replace(settlement, host_calls=event.host_calls))
         since = time.monotonic() - self.last_flush
-        if since >= self.worker.config.flush_seconds or cancelled:
+        if since >= self.context.config.flush_seconds or cancelled:
             self._write(end_outcome=None)
         elif self._flush_timer is None:
-            wait = self.worker.config.flush_seconds - since
+            wait = self.context.config.flush_seconds - since
             self._flush_timer = threading.Timer(wait, self._flush_deferred)
             self._flush_timer.daemon = True
             self._flush_timer.start()
@@ -212,12 +229,12 @@ class BatchRun:
     def _finish(self, outcome: str) -> None:
         unstarted = [job_id for job_id in self.jobs if job_id not in self.started]
         # a job cancelled before its turn came ends cancelled, not back in the queue
-        for job_id in [j for j in unstarted if self.worker.cancels.requested(j)]:
+        for job_id in [j for j in unstarted if self.context.cancels.requested(j)]:
             unstarted.remove(job_id)
             self.started.add(job_id)
             self.ended.add(job_id)
             self.pending.append(Settlement(job_id, "cancelled", error="cancelled before it started"))
-        self.worker.cancels.forget(self.jobs)
+        self.context.cancels.forget(self.jobs)
         # a job that started and never reported an end (the runner died on it)
         self.fail_running("the runner stopped before the job ended")
         if unstarted and outcome == "ok":
@@ -241,7 +258,7 @@ class BatchRun:
         if self.lost:
             return
         self.lost = True
-        backoff = self.worker.config.backoff
+        backoff = self.context.config.backoff
         failing = [failed(self.jobs[i], reason, backoff=backoff) for i in sorted(self.started - self.settled)]
         release = [i for i in self.jobs if i not in self.started]
         try:
@@ -255,10 +272,8 @@ class BatchRun:
         self._count([s for s in failing if s.job_id in applied], released=len(release))
 
     # -- writing ----------------------------------------------------------
-    def _pool(self) -> Any:
-        pool = self.worker._pool
-        assert pool is not None
-        return pool
+    def _pool(self) -> Pool:
+        return self.context.pool
 
     def _end(self, outcome: str | None, release: Sequence[int], *, extras: bool = True) -> dict[str, Any]:
         """jobs.settle's arguments that end the batch (none for a flush).
@@ -271,7 +286,7 @@ class BatchRun:
             "release": list(release), "end_outcome": outcome,
             "run_seconds": min(self.run_seconds, self.wall_seconds()),
             "ran_jobs": len(self.ended - self.undecodable),
-            "charge_runtime": extras and self.worker.config.fair_by is Mode.RUNTIME,
+            "charge_runtime": extras and self.context.config.fair_by is Mode.RUNTIME,
             "egress": None if egress is None else (egress.record, egress.blocks),
             "host_calls": self.host_calls if extras else None,
         }
@@ -282,7 +297,7 @@ class BatchRun:
     def _retrying(self, op: Callable[[Conn], list[int]]) -> list[int]:
         """Run `op` on a pooled connection; retry transient errors while the
         lease could still be live. Other errors propagate."""
-        deadline = time.monotonic() + self.worker.config.lease_seconds
+        deadline = time.monotonic() + self.context.config.lease_seconds
         attempt = 0
         while True:
             try:
@@ -301,7 +316,7 @@ class BatchRun:
 
     def _lose(self, exc: LeaseLost, refused_count: int) -> None:
         self.lost = True
-        self.worker.stats.add(refused=refused_count)
+        self.context.stats.add(refused=refused_count)
         log.warning("%s", exc)
 
     def _observe_run_times(self) -> None:
@@ -318,7 +333,7 @@ class BatchRun:
             return
         # a cancel that came after the job's end was reported still wins
         # (the host's record, rule H2): no retry, no result
-        settlements = [s if s.status == "cancelled" or not self.worker.cancels.requested(s.job_id)
+        settlements = [s if s.status == "cancelled" or not self.context.cancels.requested(s.job_id)
                        else Settlement(s.job_id, "cancelled", error="cancelled while running: it had ended",
                                        host_calls=s.host_calls)
                        for s in self.pending]
@@ -378,7 +393,7 @@ class BatchRun:
         """One job in its own transaction; if Postgres refuses it, the same
         job as a failure that says why, then as a plain failure."""
         job = self.jobs[settlement.job_id]
-        backoff = self.worker.config.backoff
+        backoff = self.context.config.backoff
         candidate = settlement
         for step in range(3):
             try:
@@ -399,7 +414,7 @@ class BatchRun:
 
     def _count(self, settled: Sequence[Settlement], *, released: int) -> None:
         self.settled.update(s.job_id for s in settled)
-        stats = self.worker.stats
+        stats = self.context.stats
         stats.add(
             done=sum(s.status == "done" for s in settled),
             retried=sum(s.status == "pending" for s in settled),
@@ -415,7 +430,7 @@ class BatchRun:
             if s.status == "dead":
                 metrics.DEAD_LETTERED.labels(priority).inc()
                 job = self.jobs[s.job_id]
-                self.worker.alerts.fire(DeadJob(job.id, job.tenant_id, job.kind, job.attempt, s.error or ""))
+                self.context.alerts.fire(DeadJob(job.id, job.tenant_id, job.kind, job.attempt, s.error or ""))
                 # the envelope in the record (JSON logs carry it as fields)
                 log.warning("job %d (%s, tenant %s, actor %s) is dead after %d attempt(s)", job.id, job.kind,
                             job.tenant_id, job.actor or "-", job.attempt,

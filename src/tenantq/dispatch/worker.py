@@ -48,7 +48,7 @@ from tenantq.dispatch.executors.inline import describe_exception
 from tenantq.dispatch.maintenance import LeaseBook, Maintenance, driver_reaper, sync_app_schedules
 from tenantq.dispatch.outcome import first_line, is_transient
 from tenantq.dispatch.presence import Presence, executor_kinds, require_kinds
-from tenantq.dispatch.settle import BatchRun
+from tenantq.dispatch.settle import BatchRun, SettleContext
 from tenantq.dispatch.wakeup import Listener, Wakeup
 from tenantq.domain.records import Batch
 from tenantq.errors import TenantqError
@@ -332,13 +332,18 @@ class Worker:
             return True
         return False
 
+    def _settling(self) -> SettleContext:
+        assert self._pool is not None, "batches run only while the worker runs"
+        return SettleContext(config=self.config, pool=self._pool, cancels=self.cancels, stats=self.stats,
+                             alerts=self.alerts)
+
     def _run_batch(self, batch: Batch, *, lent: bool = False) -> str | None:
         """Run and settle one batch. Returns None, or what went wrong when it
         could not run normally (the executor or the bookkeeping raised, or
         the executor started nothing): the job it was running is failed with
         the reason (none had started: the batch's first job, attempt
         counted), the rest released."""
-        run = BatchRun(self, batch)
+        run = BatchRun(self._settling(), batch)
         self.stats.add(batches=1)
         failure: str | None = None
         executor_error: str | None = None

@@ -58,7 +58,7 @@ HANDED_OVER = "the sandbox's init was handed over to the queue's guest runner"
 class AgentLink:
     def __init__(self, channel: Channel, *, owns_fds: bool = False, read: bool = True) -> None:
         """`owns_fds`: the channel's fds are this link's to close (a
-        connected socket); a started process's pipes are its Running's.
+        connected socket); a started process's pipes are its HostProcess's.
         `read=False`: a sandbox restored from a handed-over image, whose
         channel is its runner's (no agent is there to read)."""
         self.channel = channel

@@ -16,46 +16,40 @@ from __future__ import annotations
 
 import base64
 import builtins
-import dataclasses
 import math
-import os
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tenantq.errors import InvalidInput, TenantqError
+from tenantq.errors import InvalidInput
 from tenantq.sandbox.agent_link import AgentLink, SandboxGone
 from tenantq.sandbox.attach import SandboxInfo, SandboxNotFound
 from tenantq.sandbox.commands import CommandHandle, ExecResult
-from tenantq.sandbox.driver import SandboxDriver, SnapshotDriver
+from tenantq.sandbox.core import (
+    API_LABEL,
+    BOOT_SECONDS,
+    MAX_TTL_SECONDS,
+    POOLED_LABEL,
+    NotSupported,
+    SandboxCore,
+    stop_watchdog,
+)
+from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.drivers import get_driver
 from tenantq.sandbox.files import Filesystem
-from tenantq.sandbox.hostside import HostSandbox, Running, read_meta
-from tenantq.sandbox.spec import SandboxSpec
+from tenantq.sandbox.hostside import HostProcess, HostSandbox, read_meta
 
 if TYPE_CHECKING:
-    from tenantq.egress.policy import Rule
-    from tenantq.egress.proxy import BatchProxy, EgressHub
     from tenantq.sandbox.templates import Resolved
 
-API_LABEL = "tenantq.api"
-# a sandbox waiting in the ready pool: no owner yet, not listed
-POOLED_LABEL = "tenantq.pooled"
-MAX_TTL_SECONDS = 7 * 24 * 3600.0
 DEFAULT_OUTPUT_CAP = 1 << 20
 MAX_OUTPUT_CAP = 64 << 20
-BOOT_SECONDS = 60.0
 METADATA_LIMIT = 64
 NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-
-
-class NotSupported(TenantqError):
-    """The driver cannot do this (the process driver cannot fork)."""
 
 
 def _positive(name: str, value: float, *, most: float | None = None) -> float:
@@ -84,30 +78,18 @@ def _strings(name: str, values: Mapping[str, str] | None, key: re.Pattern[str]) 
     return out
 
 
-class Sandbox:
-    """A running sandbox. Make one with `Sandbox.create(...)`; `with` deletes it."""
+class Sandbox(SandboxCore):
+    """A running sandbox. Make one with `Sandbox.create(...)`; `with` deletes it.
 
-    def __init__(self, host: HostSandbox, running: Running | None, link: AgentLink, driver: SandboxDriver, *,
-                 template: str, metadata: dict[str, str], timeout_seconds: float) -> None:
-        self._host = host
-        self._running = running
-        self._link = link
-        self._driver = driver
-        self.id = host.id
-        self.template = template
-        self.metadata = metadata
-        self.tenant = host.spec.tenant or None
-        self.default_timeout = timeout_seconds
+    The public API over the sandbox's state (sandbox/core.py), which the
+    parts share."""
+
+    def __init__(self, host: HostSandbox, running: HostProcess | None, link: AgentLink,
+                 driver: SandboxDriver, *, template: str, metadata: dict[str, str],
+                 timeout_seconds: float) -> None:
+        super().__init__(host, running, link, driver, template=template, metadata=metadata,
+                         timeout_seconds=timeout_seconds)
         self.filesystem = Filesystem(self)
-        self._fork_lock = threading.Lock()
-        self._watchdog: subprocess.Popen[bytes] | None = None
-        # how long the last fork took (sandbox/forking.py)
-        self.last_fork: Any = None
-        # the hosts it may reach (sandbox/api_egress.py), and their proxy
-        self.egress: tuple[Rule, ...] = ()
-        self._proxy: tuple[BatchProxy, EgressHub] | None = None
-        # its init is the queue's guest runner now (hand_over)
-        self.handed_over = False
 
     # -- making one ----------------------------------------------------------------
 
@@ -154,14 +136,15 @@ class Sandbox:
 
         ready = pool().take(pool_key(template, chosen.name, memory_mb, cpus), pooled)
         if ready is not None:
-            ready._hand_out(ttl=ttl, metadata=labels, tenant=tenant, env={**env, **secret_env},
-                            timeout=timeout)
+            assert isinstance(ready, Sandbox)  # the pool holds what `pooled` made
+            ready.hand_out(ttl=ttl, metadata=labels, tenant=tenant, env={**env, **secret_env},
+                           timeout=timeout)
             made = ready
         else:
             made = cls._boot_new(chosen, resolved, ttl, {f"meta.{k}": v for k, v in labels.items()}, tenant,
                                  memory_mb, float(cpus), env, secret_env, timeout)
         try:
-            made._start_egress(allowed)
+            made.start_egress(allowed)
         except BaseException:
             made.delete()
             raise
@@ -176,33 +159,6 @@ class Sandbox:
         spec = boot.template_spec(resolved, tenant=tenant or "", memory_mb=memory_mb, cpus=cpus, ttl=ttl,
                                   labels={API_LABEL: resolved.name, **labels})
         return boot.boot(cls, chosen, resolved, spec, env=env, secret_env=secret_env, timeout=timeout)
-
-    def _start_egress(self, allowed: tuple[Rule, ...]) -> None:
-        """Open the sandbox's egress proxy and have the agent point later
-        commands at it (nothing when `allowed` is empty: no network)."""
-        if not allowed:
-            return
-        from tenantq.sandbox import api_egress
-
-        self._proxy = api_egress.open_proxy(self._host, self.tenant, allowed)
-        self.egress = allowed
-        self._link.request({"op": "egress"}, BOOT_SECONDS)
-
-    def watch(self) -> None:
-        """Start the host-side TTL watchdog (sandbox/watchdog.py)."""
-        from tenantq.sandbox import watchdog
-
-        self._watchdog = watchdog.start(self._driver.name, self._driver.data_dir, self.id)
-        self._host.update_meta(watchdog_pid=self._watchdog.pid)
-
-    def _hand_out(self, *, ttl: float, metadata: dict[str, str], tenant: str | None, env: dict[str, str],
-                  timeout: float) -> None:
-        """A pooled sandbox becomes its owner's (sandbox/pool.py)."""
-        labels = {API_LABEL: self.template, **{f"meta.{k}": v for k, v in metadata.items()}}
-        self.assign(tenant=tenant or "", labels=labels, ttl=ttl)
-        if env:
-            self._link.send({"op": "env", "env": env})
-        self.metadata, self.tenant, self.default_timeout = metadata, tenant, timeout
 
     @classmethod
     def connect(cls, sandbox_id: str, *, timeout_seconds: float = 60) -> Sandbox:
@@ -234,44 +190,13 @@ class Sandbox:
 
     def close(self) -> None:
         """Let go of the sandbox without ending it (it lives to its TTL)."""
-        self._link.close()
+        self.link().close()
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.delete()
-
-    def __repr__(self) -> str:
-        return f"<Sandbox {self.id} template={self.template} driver={self._driver.name}>"
-
-    # -- what the other parts use ------------------------------------------------
-
-    def link(self) -> AgentLink:
-        return self._link
-
-    @property
-    def spec(self) -> SandboxSpec:
-        return self._host.spec
-
-    @property
-    def driver(self) -> str:
-        return self._driver.name
-
-    def oom_count(self) -> int:
-        """OOM kills so far, as the host's cgroups count them. Under gVisor
-        the container's own cgroup goes with the sandbox when an OOM kills
-        its sentry, so the box's peak usage at the limit counts as one too."""
-        box = self._host.box
-        return box.oom_kills() + (1 if box.oom_killed(self.spec.memory_mb << 20) else 0)
-
-    def end_reason(self, why: str) -> str:
-        """Why a command has no exit status: the sandbox itself ended."""
-        if self._host.remaining_ttl() <= 0:
-            return "the sandbox reached its TTL"
-        if self.oom_count() > 0:
-            return f"oom: exceeded {self.spec.memory_mb} MiB (the sandbox was killed)"
-        return why
 
     # -- commands ------------------------------------------------------------------
 
@@ -306,7 +231,7 @@ class Sandbox:
         frame = {"argv": argv, "cwd": cwd, "env": _strings("envs", envs, ENV_NAME),
                  "stdin": base64.b64encode(raw_stdin).decode() if raw_stdin else None,
                  "keep_stdin": background and raw_stdin is None}
-        command_id, state = self._link.start_command(frame, output_cap, {1: on_stdout, 2: on_stderr})
+        command_id, state = self.link().start_command(frame, output_cap, {1: on_stdout, 2: on_stderr})
         handle = CommandHandle(self, command_id, state, timeout)
         return handle if background else handle.wait()
 
@@ -321,88 +246,15 @@ class Sandbox:
     def set_ttl(self, ttl_seconds: float) -> None:
         """The sandbox now ends `ttl_seconds` from now (shorter or longer)."""
         ttl = _positive("ttl_seconds", ttl_seconds, most=MAX_TTL_SECONDS)
-        self._host.extend_deadline(ttl)
+        self.host.extend_deadline(ttl)
 
     def is_running(self) -> bool:
-        alive = self._running.alive() if self._running is not None else True
-        linked = self._link.broken is None or self.handed_over
-        return not self._host.destroyed and linked and alive
-
-    # -- the queue's sandboxes (dispatch/executors/warm.py) ------------------------------------
-
-    @classmethod
-    def boot_for_runner(cls, chosen: SandboxDriver, spec: SandboxSpec, template: str) -> Sandbox:
-        """A sandbox of exactly `spec` (the queue's limits and mounts, a
-        read-only root), its agent started as the driver's supervisor (under
-        gVisor: the sandbox's root with the capabilities to run each job as
-        another uid, rule C1), and no host-side watchdog: the dispatcher's
-        own deadline (rule H5) and the reaper end it. Then `hand_over`."""
-        from tenantq.sandbox import boot
-
-        return boot.cold_agent(cls, chosen, spec, template=template, supervisor=True)
-
-    @classmethod
-    def restore_runner(cls, chosen: SandboxDriver, spec: SandboxSpec, image: Path, template: str) -> Sandbox:
-        """A new sandbox resumed from the checkpoint of a handed-over one (a
-        template, or a hibernated sandbox): its runner resumes inside its read
-        of the next command, on the new sandbox's channel."""
-        from tenantq.sandbox import boot
-
-        if not (chosen.snapshots and isinstance(chosen, SnapshotDriver)):
-            raise NotSupported(f"the {chosen.name} driver cannot restore checkpoints")
-        host, running = chosen.restore(spec, image, boot.agent_argv())
-        assert isinstance(host, HostSandbox) and isinstance(running, Running)
-        sandbox = cls(host, running, AgentLink(running.channel, read=False), chosen, template=template,
-                      metadata={}, timeout_seconds=BOOT_SECONDS)
-        sandbox.handed_over = True
-        return sandbox
-
-    def hand_over(self, argv: Sequence[str], env: Mapping[str, str] | None = None) -> Running:
-        """The agent execs `argv` as the sandbox's init (the queue's guest
-        runner, guest/runner.py); its started process's channel, returned, is
-        then the caller's alone, and exec/files of this object refuse
-        (SandboxGone). Everything else stays: TTL, checkpoint, delete."""
-        if self._running is None:
-            raise NotSupported("only the process that created a sandbox can hand it over")
-        self._link.hand_over(list(argv), dict(env or {}), BOOT_SECONDS)
-        self.handed_over = True
-        return self._running
-
-    @property
-    def init_process(self) -> Running:
-        """The host's process of the sandbox's init (its channel's pipes)."""
-        assert self._running is not None
-        return self._running
-
-    def checkpoint_and_stop(self, image: Path) -> None:
-        """Save the sandbox to `image` (a new dir), which stops it (a
-        template's build, a hibernation); delete() then removes the rest."""
-        checkpoint = getattr(self._host, "checkpoint", None)
-        if checkpoint is None:
-            raise NotSupported(f"the {self._driver.name} driver cannot checkpoint")
-        checkpoint(image)
-
-    def assign(self, *, tenant: str, labels: dict[str, str], ttl: float) -> None:
-        """A pristine sandbox of the ready pool becomes one owner's: its
-        tenant, labels and TTL (the host's record of it, sandbox/pool.py)."""
-        self._host.spec = dataclasses.replace(self._host.spec, tenant=tenant, labels=labels)
-        self._host.update_meta(tenant=tenant, labels=labels, dispatcher_pid=os.getpid())
-        self._host.extend_deadline(ttl)
-        self.tenant = tenant or None
+        return super().is_running()
 
     def delete(self) -> bool:
         """End the sandbox and remove everything it left on the host;
         False when it was already gone."""
-        was = not self._host.destroyed
-        self._link.close("the sandbox was deleted")
-        if self._proxy is not None:
-            (proxy, hub), self._proxy = self._proxy, None
-            hub.close(proxy)
-        _stop_watchdog(self._host, self._watchdog)
-        self._host.destroy()
-        if self._running is not None:
-            self._running.close()
-        return was
+        return super().delete()
 
     kill = delete
 
@@ -416,19 +268,19 @@ class Sandbox:
 
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
             raise InvalidInput(f"n must be an integer from 1 to 64, got {n!r}")
-        ttl = self._host.remaining_ttl() if ttl_seconds is None else _positive("ttl_seconds", ttl_seconds,
-                                                                                  most=MAX_TTL_SECONDS)
-        with self._fork_lock:
+        ttl = self.host.remaining_ttl() if ttl_seconds is None else _positive("ttl_seconds", ttl_seconds,
+                                                                                 most=MAX_TTL_SECONDS)
+        with self.fork_lock:
             return fork_many(self, n, max(1.0, ttl))
 
-    def _adopt(self, running: Running) -> Running | None:
-        """The parent after its restore (sandbox/forking.py); the old run."""
-        old, self._running = self._running, running
-        return old
 
-    @property
-    def host(self) -> HostSandbox:
-        return self._host
+def prepare_template(chosen: SandboxDriver, resolved: Resolved, *, memory_mb: int = 512,
+                     cpus: float = 1.0) -> str:
+    """Make a template ready on this driver now (`tenantq template create`;
+    sandbox/boot.py `prepare`); what was done, in a few words."""
+    from tenantq.sandbox import boot
+
+    return boot.prepare(Sandbox, chosen, resolved, memory_mb=memory_mb, cpus=cpus)
 
 
 def remove_sandbox(sandbox_id: str) -> bool:
@@ -446,22 +298,10 @@ def remove_sandbox(sandbox_id: str) -> bool:
             continue
         chosen, _ = get_driver(name, Settings().data_dir)
         host = chosen.adopt(sandbox_id, path, meta)  # type: ignore[attr-defined]
-        _stop_watchdog(host, None)
+        stop_watchdog(host, None)
         host.destroy()
         return True
     return False
-
-
-def _stop_watchdog(host: HostSandbox, child: subprocess.Popen[bytes] | None) -> None:
-    from tenantq.sandbox import watchdog
-
-    if child is not None:
-        child.kill()
-        child.wait(10)
-        return
-    meta = read_meta(host.path) or {}
-    if "watchdog_pid" in meta:
-        watchdog.stop(int(str(meta["watchdog_pid"])), host.id)
 
 
 _last_reap = [0.0]

@@ -20,20 +20,21 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from tenantq.errors import InvalidInput
 from tenantq.sandbox.agent_link import AgentLink
+from tenantq.sandbox.core import API_LABEL, SandboxCore
 from tenantq.sandbox.digests import DIGESTS
 from tenantq.sandbox.driver import SandboxDriver, SnapshotDriver
-from tenantq.sandbox.hostside import HostSandbox, Running
+from tenantq.sandbox.hostside import HostProcess, HostSandbox
 from tenantq.sandbox.layout import GUEST_EGRESS_DIR, START_AGENT, guest_python
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version
 from tenantq.sandbox.spec import SandboxSpec
 from tenantq.sandbox.templates import Resolved, python_path
 
-if TYPE_CHECKING:
-    from tenantq.sandbox.api import Sandbox
+# a part makes sandboxes of the class it is given: the facade's (sandbox/core.py)
+S = TypeVar("S", bound=SandboxCore)
 
 BOOT_SECONDS = 60.0
 WARMUP_TIMEOUT_SECONDS = 600.0
@@ -61,15 +62,15 @@ def template_spec(resolved: Resolved, *, tenant: str, memory_mb: int, cpus: floa
                        writable_root=True, labels=labels)
 
 
-def boot(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec, *,
-         env: dict[str, str], secret_env: dict[str, str], timeout: float) -> Sandbox:
+def boot(cls: type[S], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec, *,
+         env: dict[str, str], secret_env: dict[str, str], timeout: float) -> S:
     """A running sandbox of `resolved` made to `spec`: restored from the
     template's checkpoint where the driver can, booted and warmed otherwise."""
     if chosen.snapshots and isinstance(chosen, SnapshotDriver):
         image = template_image(cls, chosen, resolved, spec)
         host_running = chosen.restore(spec, image, agent_argv())
         host, running = host_running
-        assert isinstance(host, HostSandbox) and isinstance(running, Running)
+        assert isinstance(host, HostSandbox) and isinstance(running, HostProcess)
         try:
             link = AgentLink(running.channel)
             link.ready.set()  # it said so when the template was booted
@@ -98,38 +99,38 @@ def boot(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved, spec: Sa
     return sandbox
 
 
-def _wrap(cls: type[Sandbox], chosen: SandboxDriver, host: HostSandbox, running: Running, link: AgentLink,
-          resolved: Resolved, spec: SandboxSpec, timeout: float) -> Sandbox:
+def _wrap(cls: type[S], chosen: SandboxDriver, host: HostSandbox, running: HostProcess, link: AgentLink,
+          resolved: Resolved, spec: SandboxSpec, timeout: float) -> S:
     metadata = {k[5:]: v for k, v in spec.labels.items() if k.startswith("meta.")}
     return cls(host, running, link, chosen, template=resolved.name, metadata=metadata,
                timeout_seconds=timeout)
 
 
-def _cold(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec, *,
-          env: dict[str, str], timeout: float) -> Sandbox:
+def _cold(cls: type[S], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec, *,
+          env: dict[str, str], timeout: float) -> S:
     path = ":".join(python_path(resolved))
     host, running, link = _start_agent(chosen, spec, env={**env, "PYTHONPATH": path}, supervisor=False)
     return _wrap(cls, chosen, host, running, link, resolved, spec, timeout)
 
 
-def cold_agent(cls: type[Sandbox], chosen: SandboxDriver, spec: SandboxSpec, *, template: str,
-               supervisor: bool) -> Sandbox:
+def cold_agent(cls: type[S], chosen: SandboxDriver, spec: SandboxSpec, *, template: str,
+               supervisor: bool) -> S:
     """A sandbox of `spec` booted with the agent as its init, nothing else
-    (the queue's: Sandbox.boot_for_runner)."""
+    (the queue's: runner_boot.boot_for_runner)."""
     path = ":".join(guest_python().sys_path)
     host, running, link = _start_agent(chosen, spec, env={"PYTHONPATH": path}, supervisor=supervisor)
     return cls(host, running, link, chosen, template=template, metadata={}, timeout_seconds=BOOT_SECONDS)
 
 
 def _start_agent(chosen: SandboxDriver, spec: SandboxSpec, *, env: dict[str, str],
-                 supervisor: bool) -> tuple[HostSandbox, Running, AgentLink]:
+                 supervisor: bool) -> tuple[HostSandbox, HostProcess, AgentLink]:
     host = chosen.create(spec)
     assert isinstance(host, HostSandbox)
     try:
         # self_limiting: the agent is init and ends the sandbox at the
         # deadline itself (a `timeout` wrapper could not be extended by set_ttl)
         running = host.start(agent_argv(), env=env, self_limiting=True, supervisor=supervisor)
-        assert isinstance(running, Running)
+        assert isinstance(running, HostProcess)
         link = AgentLink(running.channel)
         link.wait_ready(BOOT_SECONDS)
     except BaseException:
@@ -138,7 +139,7 @@ def _start_agent(chosen: SandboxDriver, spec: SandboxSpec, *, env: dict[str, str
     return host, running, link
 
 
-def run_warmups(sandbox: Sandbox, resolved: Resolved) -> None:
+def run_warmups(sandbox: SandboxCore, resolved: Resolved) -> None:
     """Each warmup `module:function`, in a python3 of the sandbox; what it
     writes or leaves running stays. A failing one: InvalidInput with its
     last line of stderr."""
@@ -177,7 +178,7 @@ def _image_key(chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec) -> 
     return "api-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def template_image(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec) -> Path:
+def template_image(cls: type[S], chosen: SandboxDriver, resolved: Resolved, spec: SandboxSpec) -> Path:
     """The checkpoint of `resolved` for sandboxes like `spec`: built once per
     host and key (boot with no tenant, warm, checkpoint), then reused."""
     store = SnapshotStore(chosen.data_dir, chosen.name)
@@ -202,21 +203,20 @@ def template_image(cls: type[Sandbox], chosen: SandboxDriver, resolved: Resolved
     return template.image
 
 
-def prepare(chosen: SandboxDriver, resolved: Resolved, *, memory_mb: int = 512, cpus: float = 1.0) -> str:
+def prepare(cls: type[SandboxCore], chosen: SandboxDriver, resolved: Resolved, *, memory_mb: int = 512,
+            cpus: float = 1.0) -> str:
     """Make `resolved` ready on this driver now (`tenantq template create`):
     its checkpoint on gVisor; elsewhere a sandbox booted and warmed once, to
     show the warmups work. Returns what was done, in a few words."""
-    from tenantq.sandbox.api import API_LABEL, Sandbox
-
     spec = template_spec(resolved, tenant="", memory_mb=memory_mb, cpus=cpus,
                          ttl=WARMUP_TIMEOUT_SECONDS + 120, labels={API_LABEL: resolved.name})
     if chosen.snapshots and isinstance(chosen, SnapshotDriver):
         store = SnapshotStore(chosen.data_dir, chosen.name)
         key = image_key(chosen, resolved, spec)
         existed = store.template(key) is not None
-        template_image(Sandbox, chosen, resolved, spec)
+        template_image(cls, chosen, resolved, spec)
         return f"checkpoint {key} ({'up to date' if existed else 'built'})"
-    sandbox = _cold(Sandbox, chosen, resolved, spec, env={}, timeout=WARMUP_TIMEOUT_SECONDS)
+    sandbox = _cold(cls, chosen, resolved, spec, env={}, timeout=WARMUP_TIMEOUT_SECONDS)
     try:
         run_warmups(sandbox, resolved)
     finally:

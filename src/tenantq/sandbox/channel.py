@@ -63,7 +63,7 @@ class FrameReader:
 
 
 class Channel:
-    """Frames over the pipes of one started process (see hostside.Running)."""
+    """Frames over the pipes of one started process (see hostside.HostProcess)."""
 
     def __init__(self, stdin_fd: int, stdout_fd: int, alive: Any) -> None:
         self.stdin_fd = stdin_fd

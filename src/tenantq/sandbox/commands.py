@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tenantq.sandbox.agent_link import CommandState, SandboxGone
 
 if TYPE_CHECKING:
-    from tenantq.sandbox.api import Sandbox
+    from tenantq.sandbox.core import SandboxCore
 
 # how long a killed command has to report its end before the host gives up on it
 KILL_WAIT_SECONDS = 5.0
@@ -54,7 +54,8 @@ class CommandHandle:
     """A command started in a sandbox. `wait()` returns its ExecResult;
     `kill()` ends it and everything it started (its process group)."""
 
-    def __init__(self, sandbox: Sandbox, command_id: int, state: CommandState, timeout: float | None) -> None:
+    def __init__(self, sandbox: SandboxCore, command_id: int, state: CommandState,
+                 timeout: float | None) -> None:
         self.sandbox = sandbox
         self.id = command_id
         self._state = state

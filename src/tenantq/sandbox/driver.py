@@ -1,6 +1,6 @@
 """The sandbox driver contract (the drivers, and choosing one: sandbox/drivers/).
 
-A driver turns a SandboxSpec into a Sandbox: a private, size-capped work
+A driver turns a SandboxSpec into a DriverSandbox: a private, size-capped work
 directory (the host never touches what is in it: docs/security.md, rule
 H1), in which commands run with the spec's limits, no network, a read-only
 root and only the given mounts; a started command's stdin and stdout are
@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from tenantq.sandbox.channel import Channel
-from tenantq.sandbox.spec import ExecResult, SandboxSpec
+from tenantq.sandbox.spec import ProcessResult, SandboxSpec
 
 GUEST_WORK_DIR = "/tenantq/work"
 
 
-class Running(Protocol):
+class StartedProcess(Protocol):
     """A process started in a sandbox whose stdin and stdout pipes stay
     open: the control channel over which a warm guest runner receives
     batch after batch."""
@@ -40,16 +40,16 @@ class Running(Protocol):
 
     def close(self) -> None: ...
 
-    def wait(self, timeout: float) -> ExecResult | None:
+    def wait(self, timeout: float) -> ProcessResult | None:
         """The classified end, or None while it still runs after `timeout`."""
         ...
 
-    def stop(self, detail: str) -> ExecResult:
+    def stop(self, detail: str) -> ProcessResult:
         """Kill it for overrunning; the end is a timeout with `detail`."""
         ...
 
 
-class Sandbox(Protocol):
+class DriverSandbox(Protocol):
     id: str
     spec: SandboxSpec
     work_dir: Path
@@ -57,7 +57,7 @@ class Sandbox(Protocol):
     egress_dir: Path
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ProcessResult:
         """Run a command inside; `stdin` is how secrets get in without touching disk.
 
         The command runs as the sandbox's init under `timeout -s KILL <ttl>`,
@@ -68,7 +68,7 @@ class Sandbox(Protocol):
         ...
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False, supervisor: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> StartedProcess:
         """Start a command and return at once; run() is start + feed + wait.
         `supervisor`: the guest runner, which holds the control channel
         (gVisor runs it as the sandbox's root and jobs as another uid)."""
@@ -97,7 +97,7 @@ class SandboxDriver(Protocol):
     # the uid the guest runner switches each job process to (None: keep its own)
     job_uid: int | None
 
-    def create(self, spec: SandboxSpec) -> Sandbox: ...
+    def create(self, spec: SandboxSpec) -> DriverSandbox: ...
 
     def reap(self) -> list[str]:
         """Destroy sandboxes of this driver past their TTL (found by label),
@@ -114,6 +114,7 @@ class SnapshotSandbox(Protocol):
 
 @runtime_checkable
 class SnapshotDriver(Protocol):
-    def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[Sandbox, Running]:
+    def restore(self, spec: SandboxSpec, image: Path,
+                argv: list[str]) -> tuple[DriverSandbox, StartedProcess]:
         """A new sandbox whose processes resume from `image`."""
         ...

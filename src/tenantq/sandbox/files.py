@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tenantq.errors import InvalidInput
 
 if TYPE_CHECKING:
-    from tenantq.sandbox.api import Sandbox
+    from tenantq.sandbox.core import SandboxCore
 
 CHUNK_BYTES = 512 << 10  # guest/agent_files.py sends at most this per reply
 DEFAULT_READ_MAX_BYTES = 64 << 20
@@ -48,7 +48,7 @@ def _path(path: str) -> str:
 
 
 class Filesystem:
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: SandboxCore) -> None:
         self._sandbox = sandbox
 
     def _call(self, operation: str, path: str, **fields: Any) -> dict[str, Any]:

@@ -23,17 +23,17 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from tenantq.sandbox.agent_link import AgentLink
 from tenantq.sandbox.boot import agent_argv
+from tenantq.sandbox.core import NotSupported, SandboxCore
 from tenantq.sandbox.driver import SnapshotDriver, SnapshotSandbox
-from tenantq.sandbox.hostside import HostSandbox, Running, unmount_work_dir
-
-if TYPE_CHECKING:
-    from tenantq.sandbox.api import Sandbox
+from tenantq.sandbox.hostside import HostProcess, HostSandbox, unmount_work_dir
 
 HOLD_SECONDS = 30.0
+# a fork's children are of the parent's class (the facade's: sandbox/core.py)
+S = TypeVar("S", bound=SandboxCore)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +63,9 @@ def _answered(link: AgentLink) -> None:
     link.request({"op": "fs", "fs": "exists", "path": "/"}, HOLD_SECONDS)
 
 
-def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
-    from tenantq.sandbox.api import NotSupported, Sandbox
-
-    host, driver = parent.host, parent._driver
+def fork_many(parent: S, n: int, ttl: float) -> list[S]:
+    """n children of `parent`, of its class (the facade's)."""
+    host, driver = parent.host, parent.driver_impl
     if not (driver.snapshots and isinstance(host, SnapshotSandbox) and isinstance(driver, SnapshotDriver)):
         raise NotSupported(f"the {driver.name} driver cannot fork a sandbox (it has no checkpoint/restore; "
                            "use the gvisor driver)")
@@ -87,12 +86,12 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
         _unmount(holder)
         raise
     checkpointed = time.monotonic()
-    children: list[Sandbox | BaseException] = [RuntimeError("not restored")] * n
+    children: list[S | BaseException] = [RuntimeError("not restored")] * n
     paused: list[float] = []
 
     def restore_parent() -> None:
-        old = parent._adopt(host.restore(image, argv))  # type: ignore[attr-defined]
-        link.rebind(parent._running.channel, forget=False)  # type: ignore[union-attr]
+        old = parent.adopt(host.restore(image, argv))  # type: ignore[attr-defined]  # the gvisor driver's
+        link.rebind(parent.init_process.channel, forget=False)
         _answered(link)  # restored (runsc has read the image) and running again
         paused.append(time.monotonic() - started)
         if old is not None:
@@ -103,14 +102,14 @@ def fork_many(parent: Sandbox, n: int, ttl: float) -> list[Sandbox]:
         child_host: HostSandbox | None = None
         try:
             child_host, running = driver.restore(spec, image, argv)  # type: ignore[assignment]
-            assert isinstance(child_host, HostSandbox) and isinstance(running, Running)
+            assert isinstance(child_host, HostSandbox) and isinstance(running, HostProcess)
             child_link = AgentLink(running.channel)
             child_link.ready.set()  # it said so as the parent, before the checkpoint
             child_link.send({"op": "resume", "forget": True})
             _answered(child_link)
-            child = Sandbox(child_host, running, child_link, driver, template=parent.template,
-                            metadata=dict(parent.metadata), timeout_seconds=parent.default_timeout)
-            child._start_egress(parent.egress)  # its own proxy, the parent's rules
+            child = type(parent)(child_host, running, child_link, driver, template=parent.template,
+                                 metadata=dict(parent.metadata), timeout_seconds=parent.default_timeout)
+            child.start_egress(parent.egress)  # its own proxy, the parent's rules
             child.watch()
             children[index] = child
         except BaseException as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.channel import Channel, wait_fd
-from tenantq.sandbox.spec import TAIL_BYTES, End, ExecResult, SandboxSpec, classify_exit
+from tenantq.sandbox.spec import TAIL_BYTES, End, ProcessResult, SandboxSpec, classify_exit
 
 META_FILE = "sandbox.json"
 # in the sandbox's egress dir (host-owned, read-only inside at
@@ -82,14 +82,14 @@ class HostSandbox:
         return max(0.0, self.deadline - time.time())
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False, supervisor: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> HostProcess:
         raise NotImplementedError
 
     def destroy(self) -> None:
         raise NotImplementedError
 
     def run(self, argv: list[str], *, timeout: float, stdin: bytes = b"",
-            env: dict[str, str] | None = None, self_limiting: bool = False) -> ExecResult:
+            env: dict[str, str] | None = None, self_limiting: bool = False) -> ProcessResult:
         """start(), feed stdin and close it, wait up to the budget (killing on
         overrun) and classify the end."""
         running = self.start(argv, env=env, self_limiting=self_limiting)
@@ -139,7 +139,7 @@ class HostSandbox:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-class Running:
+class HostProcess:
     """A process started in a sandbox: its stdin and stdout pipes are the
     control channel (a warm guest runner gets batch after batch on them)."""
 
@@ -199,23 +199,23 @@ class Running:
             while chunk := os.read(fd, 1 << 16):
                 self._out_tail = (self._out_tail + chunk)[-TAIL_BYTES:]
 
-    def wait(self, timeout: float) -> ExecResult | None:
+    def wait(self, timeout: float) -> ProcessResult | None:
         """The classified end, or None if it still runs after `timeout`."""
         status = wait_exit(self.proc, timeout)
         return None if status is None else self._result(status, classify_exit(status))
 
-    def stop(self, detail: str) -> ExecResult:
+    def stop(self, detail: str) -> ProcessResult:
         """Kill it (it overran) and return the end as a timeout."""
         self._kill()
         returncode = self.proc.wait(timeout=30)
         return self._result(returncode, End("timeout", exit_code=returncode, detail=detail))
 
-    def _result(self, returncode: int, end: End) -> ExecResult:
+    def _result(self, returncode: int, end: End) -> ProcessResult:
         self.close_stdin()
         self.drain_stdout()
         if end.kind == "signal" and end.signal == 9 and self.sandbox.oom_killed():
             end = End("oom", exit_code=returncode, detail=f"exceeded {self.sandbox.spec.memory_mb} MiB")
-        return ExecResult(exit_code=returncode, stdout=self._out_tail.decode("utf-8", errors="replace"),
+        return ProcessResult(exit_code=returncode, stdout=self._out_tail.decode("utf-8", errors="replace"),
                           stderr=self.stderr(), end=end)
 
     def close(self) -> None:
@@ -229,7 +229,7 @@ class Running:
 
 def start_process(sandbox: HostSandbox, command: list[str], env: dict[str, str] | None,
                   kill: Callable[[], None], *, new_session: bool = False,
-                  kind: type[Running] | None = None, pass_fds: tuple[int, ...] = ()) -> Running:
+                  kind: type[HostProcess] | None = None, pass_fds: tuple[int, ...] = ()) -> HostProcess:
     """Popen with the channel pipes and an append-mode stderr file in the
     sandbox's host-only dir (runsc needs a file it can hand over, not a pipe
     nobody drains)."""
@@ -238,7 +238,7 @@ def start_process(sandbox: HostSandbox, command: list[str], env: dict[str, str] 
     with open(err_path, "ab") as err:
         proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                 env=env, start_new_session=new_session, pass_fds=pass_fds)
-    return (kind or Running)(sandbox, proc, err_path, kill)
+    return (kind or HostProcess)(sandbox, proc, err_path, kill)
 
 
 def unmount_work_dir(work_dir: Path) -> None:

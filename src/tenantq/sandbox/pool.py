@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tenantq.sandbox.api import Sandbox
+    from tenantq.sandbox.core import SandboxCore
 
 # template@build (a redefined template never hands out a sandbox of its
 # previous definition), driver, memory_mb, cpus
@@ -36,14 +36,14 @@ class ReadyPool:
     def __init__(self, size: int) -> None:
         self.size = size
         self._lock = threading.Lock()
-        self._ready: dict[PoolKey, deque[Sandbox]] = {}
-        self._makers: dict[PoolKey, Callable[[], Sandbox]] = {}
+        self._ready: dict[PoolKey, deque[SandboxCore]] = {}
+        self._makers: dict[PoolKey, Callable[[], SandboxCore]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._at_exit = False
 
-    def take(self, key: PoolKey, make: Callable[[], Sandbox]) -> Sandbox | None:
+    def take(self, key: PoolKey, make: Callable[[], SandboxCore]) -> SandboxCore | None:
         """A ready sandbox of this kind, or None (then the caller boots one);
         either way the pool of this kind is (re)filled in the background."""
         if self.size <= 0:
@@ -62,7 +62,7 @@ class ReadyPool:
         self._wake.set()
         return found
 
-    def fill(self, key: PoolKey, make: Callable[[], Sandbox]) -> None:
+    def fill(self, key: PoolKey, make: Callable[[], SandboxCore]) -> None:
         """Start keeping this kind ready now, before its first take (a worker
         at start)."""
         if self.size <= 0:
@@ -117,7 +117,7 @@ class ReadyPool:
             waiting = [s for ready in self._ready.values() for s in ready]
         for sandbox in waiting:
             if sandbox.host.remaining_ttl() < RENEW_BELOW_SECONDS:
-                sandbox.set_ttl(POOLED_TTL_SECONDS)
+                sandbox.host.extend_deadline(POOLED_TTL_SECONDS)
 
     def close(self) -> None:
         """Stop filling (a boot under way finishes first) and delete what is

@@ -72,7 +72,7 @@ class End:
 
 
 @dataclass(frozen=True)
-class ExecResult:
+class ProcessResult:
     exit_code: int
     stdout: str
     stderr: str

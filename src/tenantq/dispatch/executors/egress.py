@@ -27,7 +27,7 @@ from tenantq.egress.proxy import AddressGuard, BatchProxy, EgressHub
 from tenantq.egress.tls import CAStore, upstream_context
 from tenantq.observe import metrics
 from tenantq.registry import Registry
-from tenantq.sandbox.driver import Sandbox
+from tenantq.sandbox.driver import DriverSandbox
 from tenantq.secrets import NoSecrets, SecretsProvider
 
 
@@ -49,7 +49,7 @@ class EgressProxies:
                 self._hub = EgressHub(guard, upstream_context(config.upstream_ca), config.max_names_per_batch)
             return self._hub
 
-    def open(self, sandbox: Sandbox, batch: Batch, running_now: Callable[[], int | None],
+    def open(self, sandbox: DriverSandbox, batch: Batch, running_now: Callable[[], int | None],
              env: Mapping[str, str]) -> tuple[BatchProxy | None, dict[str, str]]:
         """The batch's proxy (None when its tenant allows no egress), and the
         environment its sandbox gets: injected secrets as placeholders."""

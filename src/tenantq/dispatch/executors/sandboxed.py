@@ -41,7 +41,7 @@ from tenantq.sandbox.driver import SandboxDriver
 from tenantq.sandbox.layout import AppView, GuestPython, guest_python
 from tenantq.sandbox.reaper import collect_host_files
 from tenantq.sandbox.snapshots import SnapshotStore, runtime_version, template_key
-from tenantq.sandbox.spec import End, ExecResult, SandboxSpec
+from tenantq.sandbox.spec import End, ProcessResult, SandboxSpec
 from tenantq.secrets import SecretsProvider
 from tenantq.tenant_data import AppDatabase
 
@@ -255,7 +255,7 @@ class SandboxExecutor:
                         limits=self.inline.call_limits, allowed=batch.host_functions)
         return CallServer(server.sandbox.egress_dir / HOST_CALLS_SOCKET, gate)
 
-    def _restore_failed(self, server: GuestServer, result: ExecResult) -> None:
+    def _restore_failed(self, server: GuestServer, result: ProcessResult) -> None:
         detail = f"{result.end.reason()}: {result.stderr.strip()[-300:]}"
         if server.origin == "template":
             self.store.remove(server.key)

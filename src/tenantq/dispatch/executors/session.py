@@ -28,7 +28,7 @@ from tenantq.guest.protocol import FrameError
 from tenantq.registry import Registry
 from tenantq.sandbox.channel import ChannelTimeout, GuestGone
 from tenantq.sandbox.hostside import MAX_STDERR_BYTES
-from tenantq.sandbox.spec import End, ExecResult
+from tenantq.sandbox.spec import End, ProcessResult
 
 log = logging.getLogger("tenantq.sandbox")
 
@@ -46,7 +46,7 @@ DEFAULT_TIMEOUT = 60.0
 @dataclass
 class SessionEnd:
     end: End
-    result: ExecResult | None  # set when the sandbox's process ended
+    result: ProcessResult | None  # set when the sandbox's process ended
     fatal: str | None = None   # the runner could not boot (app import, warmup)
     handed_out: int = 0        # jobs sent to the guest
     clean: bool = False        # the guest's batch_end arrived: reusable if ok

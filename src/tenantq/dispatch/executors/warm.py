@@ -41,11 +41,12 @@ from tenantq.dispatch.executors import records
 from tenantq.errors import InvalidInput
 from tenantq.guest.protocol import FrameError
 from tenantq.observe import metrics
+from tenantq.sandbox import runner_boot
 from tenantq.sandbox.agent_link import SandboxGone
-from tenantq.sandbox.api import NotSupported
 from tenantq.sandbox.api import Sandbox as ApiSandbox
 from tenantq.sandbox.channel import ChannelTimeout, GuestGone
-from tenantq.sandbox.driver import Running, Sandbox, SandboxDriver, SnapshotDriver
+from tenantq.sandbox.core import NotSupported
+from tenantq.sandbox.driver import DriverSandbox, SandboxDriver, SnapshotDriver, StartedProcess
 from tenantq.sandbox.pool import POOLED_TTL_SECONDS, PoolKey, ReadyPool
 from tenantq.sandbox.snapshots import SnapshotStore, Template
 from tenantq.sandbox.spec import SandboxSpec, SnapshotFailed
@@ -98,13 +99,13 @@ class GuestServer:
     needs_ready: bool = False
 
     @property
-    def sandbox(self) -> Sandbox:
+    def sandbox(self) -> DriverSandbox:
         """The host's side of it (limits, dirs, TTL, OOM record)."""
-        host: Sandbox = self.api.host  # type: ignore[assignment]  # a driver's: GVisorSandbox, ProcessSandbox
+        host: DriverSandbox = self.api.host  # type: ignore[assignment]  # a driver's: GVisorSandbox, ProcessSandbox
         return host
 
     @property
-    def running(self) -> Running:
+    def running(self) -> StartedProcess:
         """Its init, the runner: the control channel's pipes."""
         return self.api.init_process
 
@@ -166,6 +167,7 @@ class WarmStarts:
         if self.pool is not None:
             pooled = self.pool.take(self._pooled_kind(spec, key), lambda: self._pristine(spec, key))
             if pooled is not None:
+                assert isinstance(pooled, ApiSandbox)  # what _pristine made
                 # nothing of a tenant was in it: now it is this one's, for good
                 pooled.assign(tenant=spec.tenant, labels=spec.labels, ttl=spec.ttl_seconds)
                 return self._count(GuestServer(pooled, "pool", key, spec.tenant))
@@ -185,7 +187,7 @@ class WarmStarts:
             if template is not None:
                 self.store.touch(template)
                 return self._restore(spec, template.image, "template", key)
-        sandbox = ApiSandbox.boot_for_runner(self.driver, spec, self.template_name)
+        sandbox = runner_boot.boot_for_runner(self.driver, spec, self.template_name)
         try:
             sandbox.hand_over(self.argv)
         except BaseException:
@@ -226,7 +228,7 @@ class WarmStarts:
     def _restore(self, spec: SandboxSpec, image: Path, origin: Origin, key: str,
                  consumed: Path | None = None) -> GuestServer:
         try:
-            sandbox = ApiSandbox.restore_runner(self.driver, spec, image, self.template_name)
+            sandbox = runner_boot.restore_runner(self.driver, spec, image, self.template_name)
         except NotSupported as exc:
             raise SnapshotFailed(str(exc)) from None
         return GuestServer(sandbox, origin, key, spec.tenant, consumed_image=consumed)
@@ -246,7 +248,7 @@ class WarmStarts:
         """Boot the guest runner, wait until it is warm and idle, checkpoint it."""
         started = time.monotonic()
         build_spec = replace(spec, tenant="template", labels={"template": key})
-        sandbox = ApiSandbox.boot_for_runner(self.driver, build_spec, self.template_name)
+        sandbox = runner_boot.boot_for_runner(self.driver, build_spec, self.template_name)
         try:
             self._await_ready(sandbox.hand_over(self.argv))
             sandbox.checkpoint_and_stop(image)
@@ -255,7 +257,7 @@ class WarmStarts:
         log.info("built template %s for %s in %.2f s", key, self.app, time.monotonic() - started)
 
     @staticmethod
-    def _await_ready(running: Running) -> None:
+    def _await_ready(running: StartedProcess) -> None:
         try:
             fatal = records.boot(running.channel.receive(time.monotonic() + READY_TIMEOUT_SECONDS))
         except (GuestGone, ChannelTimeout, FrameError, records.ProtocolViolation) as exc:

@@ -29,8 +29,8 @@ from typing import Any
 from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.hostside import (
+    HostProcess,
     HostSandbox,
-    Running,
     expired_dirs,
     owner_alive,
     read_meta,
@@ -46,7 +46,7 @@ from tenantq.sandbox.layout import (
     check_mounts,
     new_sandbox_dir,
 )
-from tenantq.sandbox.spec import End, ExecResult, Mount, SandboxSpec, SnapshotFailed
+from tenantq.sandbox.spec import End, Mount, ProcessResult, SandboxSpec, SnapshotFailed
 
 # SETUID/SETGID: to become the job's uid; KILL: to end what a job leaves;
 # SYS_ADMIN: to give each job process an IPC namespace of its own (rule P1).
@@ -56,12 +56,12 @@ BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.U
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-class GVisorRunning(Running):
-    def _result(self, returncode: int, end: End) -> ExecResult:
+class GVisorProcess(HostProcess):
+    def _result(self, returncode: int, end: End) -> ProcessResult:
         result = super()._result(returncode, end)
         if result.end.kind == "exit" and returncode == 2 and "panic" in result.stderr.lower():
             end = End("crashed", exit_code=2, detail="the sandbox kernel stopped (process limit reached?)")
-            return ExecResult(result.exit_code, result.stdout, result.stderr, end)
+            return ProcessResult(result.exit_code, result.stdout, result.stderr, end)
         return result
 
 
@@ -95,7 +95,7 @@ class GVisorDriver:
         return [self.runsc, "--root", str(self.state_root), "--platform=ptrace", "--network=none",
                 "--host-uds=open", *flags, *args]
 
-    def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[GVisorSandbox, Running]:
+    def restore(self, spec: SandboxSpec, image: Path, argv: list[str]) -> tuple[GVisorSandbox, HostProcess]:
         """A new sandbox whose processes resume from a checkpoint image."""
         sandbox = self.create(spec)
         try:
@@ -242,10 +242,10 @@ class GVisorSandbox(HostSandbox):
         }
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False, supervisor: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> HostProcess:
         return self._launch(f"{self.id}-{self.runs + 1}", argv, env or {}, self_limiting, supervisor, "run")
 
-    def restore(self, image: Path, argv: list[str]) -> Running:
+    def restore(self, image: Path, argv: list[str]) -> HostProcess:
         """Start this (new) sandbox from a checkpoint image instead of booting:
         the image's processes resume, reading this sandbox's stdin."""
         return self._launch(f"{self.id}-{self.runs + 1}", argv, {}, True, True, "restore", "--image-path",
@@ -269,7 +269,7 @@ class GVisorSandbox(HostSandbox):
         self._dirty.append(cid)
 
     def _launch(self, cid: str, argv: list[str], env: dict[str, str], self_limiting: bool, supervisor: bool,
-                *command: str) -> Running:
+                *command: str) -> HostProcess:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
         config = self._config(cid, argv, env, self_limiting=self_limiting, supervisor=supervisor)
@@ -284,7 +284,7 @@ class GVisorSandbox(HostSandbox):
         # control channel's pipes, stderr an append-mode file (notes/gvisor.md)
         runsc = self.driver.runsc_cmd(*command, "--bundle", str(self.path), cid,
                                       overlay=self.spec.writable_root)
-        running = start_process(self, runsc, None, kill, new_session=True, kind=GVisorRunning)
+        running = start_process(self, runsc, None, kill, new_session=True, kind=GVisorProcess)
         self._proc, self._running = running.proc, cid
         if self.spec.writable_root:  # only an API sandbox is adopted by another process (connect)
             self.update_meta(container=cid, host_pid=running.proc.pid)

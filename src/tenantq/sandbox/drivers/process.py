@@ -42,8 +42,8 @@ from tenantq.sandbox.cgroups import CgroupBox
 from tenantq.sandbox.driver import GUEST_WORK_DIR
 from tenantq.sandbox.drivers import seccomp
 from tenantq.sandbox.hostside import (
+    HostProcess,
     HostSandbox,
-    Running,
     expired_dirs,
     spec_from_meta,
     start_process,
@@ -231,7 +231,7 @@ class ProcessSandbox(HostSandbox):
         return [*args, "--", *init]
 
     def start(self, argv: list[str], *, env: dict[str, str] | None = None,
-              self_limiting: bool = False, supervisor: bool = False) -> Running:
+              self_limiting: bool = False, supervisor: bool = False) -> HostProcess:
         if self.destroyed:
             raise RuntimeError(f"sandbox {self.id} was destroyed")
         procs = ":".join(str(p) for p in self.box.procs_files()) if cgroups.available() else ""

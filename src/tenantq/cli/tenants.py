@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import click
 
+from tenantq.cli._common import queue
 from tenantq.errors import InvalidInput
-from tenantq.queue import Queue
-from tenantq.store.rates import parse_rate
-
-
-def _queue() -> Queue:
-    return Queue()
 
 
 def _rate_value(text: str) -> str | None:
     """A rate as given (checked now, one line if bad), or None for `none`."""
+    from tenantq.store.rates import parse_rate
+
     if text.strip().lower() in ("none", "off", "0"):
         return None
     parse_rate(text)
@@ -64,7 +61,7 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, eg
         limits.append((kind_name, kind_rate, None))
     if burst is not None and rate is None:
         raise InvalidInput("--burst goes with --rate")
-    with _queue() as q:
+    with queue() as q:
         for _, kind_rate, _ in limits:  # validated before anything is written
             _rate_value(kind_rate)
         row = q.set_tenant(tenant_id, weight=weight, max_sandboxes=max_sandboxes, egress=egress,
@@ -98,7 +95,7 @@ def tenant_set(tenant_id: str, weight: int | None, max_sandboxes: int | None, eg
 def tenant_pause(tenant_id: str) -> None:
     """Pause a tenant: no new batch of its jobs starts (running ones
     finish); enqueueing goes on; `tenantq job` says why its jobs wait."""
-    with _queue() as q:
+    with queue() as q:
         q.pause_tenant(tenant_id, paused=True)
     click.echo(f"paused tenant {tenant_id}: no new batch of its jobs starts; running ones finish")
 
@@ -107,7 +104,7 @@ def tenant_pause(tenant_id: str) -> None:
 @click.argument("tenant_id")
 def tenant_resume(tenant_id: str) -> None:
     """Resume a paused tenant: its jobs are picked again."""
-    with _queue() as q:
+    with queue() as q:
         q.pause_tenant(tenant_id, paused=False)
     click.echo(f"resumed tenant {tenant_id}")
 
@@ -126,7 +123,7 @@ def kind_set(kind_name: str, rate: str, burst: float | None) -> None:
     """Limit a kind across every tenant (a shared downstream API); the
     tenants share the limit by taking turns."""
     value = _rate_value(rate)
-    with _queue() as q:
+    with queue() as q:
         q.set_rate_limit(kind=kind_name, rate=value, burst=burst)
     click.echo(f"kind {kind_name}: rate limit {value or 'none'} across every tenant")
 
@@ -140,7 +137,7 @@ def rates(tenant: str | None, as_json: bool) -> None:
 
     from tenantq.store.rates import rate_text
 
-    with _queue() as q:
+    with queue() as q:
         rows = q.rate_limits(tenant)
     if as_json:
         click.echo(json.dumps(rows, default=str, indent=2))

@@ -14,11 +14,11 @@ line on stderr, a non-zero exit, and nothing changed."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from tenantq.cli._common import queue, utc_row
 from tenantq.domain import validation
 from tenantq.errors import InvalidInput
 
@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 
 
 SCHEDULE_ID = click.IntRange(1, 2**63 - 1)
-
-
-def _queue() -> Queue:
-    from tenantq.queue import Queue
-
-    return Queue()
-
-
-def _as_json(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.astimezone(UTC).isoformat() if isinstance(v, datetime) else v for k, v in row.items()}
 
 
 def _find(q: Queue, schedule_id: int) -> dict[str, Any]:
@@ -75,7 +65,7 @@ def schedule_add(tenant: str, kind: str, cron: str, payload: str, timezone: str,
     """Add a schedule (or change the one of that --name); prints its id
     and next fire."""
     parsed = validation.parse_payload(payload)
-    with _queue() as q:
+    with queue() as q:
         row = q.add_schedule(tenant, kind, cron, payload=parsed, timezone=timezone, priority=priority,
                              max_attempts=max_attempts, name=name)
     paused = " (paused)" if row["paused"] else ""
@@ -91,10 +81,10 @@ def schedule_list(tenant: str | None, as_json: bool) -> None:
     origin (app: @tenantq.periodic; db: schedule add)."""
     from tenantq.render import console, schedules_table
 
-    with _queue() as q:
+    with queue() as q:
         rows = q.schedules(tenant)
     if as_json:
-        click.echo(json.dumps([_as_json(row) for row in rows], default=str, indent=2))
+        click.echo(json.dumps([utc_row(row) for row in rows], default=str, indent=2))
         return
     if not rows:
         click.echo("No schedules." if tenant is None else f"No schedules for tenant {tenant}.")
@@ -106,7 +96,7 @@ def schedule_list(tenant: str | None, as_json: bool) -> None:
 @click.argument("schedule_id", type=SCHEDULE_ID)
 def schedule_rm(schedule_id: int) -> None:
     """Delete a schedule (the jobs it already enqueued stay)."""
-    with _queue() as q:
+    with queue() as q:
         row = _find(q, schedule_id)
         if not q.remove_schedule(schedule_id):
             raise InvalidInput(f"no schedule with id {schedule_id} (see tenantq schedule list)")
@@ -121,7 +111,7 @@ def schedule_rm(schedule_id: int) -> None:
 @click.argument("schedule_id", type=SCHEDULE_ID)
 def schedule_pause(schedule_id: int) -> None:
     """Stop firing a schedule until it is resumed."""
-    with _queue() as q:
+    with queue() as q:
         if not q.pause_schedule(schedule_id, paused=True):
             raise InvalidInput(f"no schedule with id {schedule_id} (see tenantq schedule list)")
     click.echo(f"paused schedule {schedule_id}")
@@ -132,7 +122,7 @@ def schedule_pause(schedule_id: int) -> None:
 def schedule_resume(schedule_id: int) -> None:
     """Fire a paused schedule again, from its next fire time after now
     (the fires it missed while paused are not made up)."""
-    with _queue() as q:
+    with queue() as q:
         if not q.pause_schedule(schedule_id, paused=False):
             raise InvalidInput(f"no schedule with id {schedule_id} (see tenantq schedule list)")
         row = _find(q, schedule_id)

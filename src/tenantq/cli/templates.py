@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from tenantq.cli_sandbox import APP_HELP, make_executor
+from tenantq.cli._common import APP_HELP
 from tenantq.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -65,7 +65,8 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
                     sandbox: str, sandbox_paths: tuple[str, ...]) -> None:
     """Make (or rebuild) the Sandbox API template NAME: its layer now, and on
     gVisor its checkpoint. Running it again with the same inputs changes nothing."""
-    from tenantq.sandbox import boot, templates
+    from tenantq.sandbox import templates
+    from tenantq.sandbox.api import prepare_template
     from tenantq.sandbox.drivers import get_driver
 
     text = ""
@@ -81,7 +82,7 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
     resolved, changed = templates.create(_data_dir(), name, base=base, requirements=text, warmup=warmup,
                                          sandbox_paths=sandbox_paths)
     try:
-        done = boot.prepare(chosen, resolved)
+        done = prepare_template(chosen, resolved)
     except InvalidInput:
         if not existed:  # a new template whose warmup fails is not kept
             templates.remove(_data_dir(), name)
@@ -96,10 +97,11 @@ def template_create(name: str, requirements: Path | None, warmup: str | None, ba
 @click.option("--sandbox", type=click.Choice(["auto", "gvisor"]), default="auto", show_default=True)
 def template_build(app: str, sandbox: str) -> None:
     """Build the queue app's checkpoint now (workers otherwise build it on first use)."""
+    from tenantq.dispatch.build import build_executor
     from tenantq.dispatch.executors.sandboxed import SandboxExecutor
     from tenantq.dispatch.executors.warm import WarmPolicy
 
-    executor = make_executor(app, "gvisor" if sandbox == "auto" else sandbox, WarmPolicy())
+    executor = build_executor(app, "gvisor" if sandbox == "auto" else sandbox, policy=WarmPolicy())
     assert isinstance(executor, SandboxExecutor)
     spec = executor.spec("template", 60)
     key = executor.template_key(spec)

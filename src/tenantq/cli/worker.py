@@ -1,4 +1,6 @@
-"""`tenantq worker`: the command that runs jobs (options, logging, signals)."""
+"""`tenantq worker`: the command that runs jobs (options, logging, signals).
+The worker itself is built by dispatch/build.py; the options' defaults are
+the TENANTQ_WORKER_* settings (settings.py)."""
 
 from __future__ import annotations
 
@@ -16,32 +18,36 @@ from typing import Any
 
 import click
 
-from tenantq.cli_sandbox import APP_HELP
+from tenantq.cli._common import APP_HELP, setting_option
 from tenantq.errors import TenantqError
 
 
 @click.command()
 @click.option("--app", "app", required=True, metavar="MODULE", help=APP_HELP)
-@click.option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
-              default="auto", show_default=True,
-              help="Where batches run; kinds registered isolation='inline' always run in-process.")
+@setting_option("--sandbox", type=click.Choice(["auto", "gvisor", "process", "inline"]),
+                setting="worker_sandbox",
+                help="Where batches run; kinds registered isolation='inline' always run in-process.")
 @click.option("--secrets", "secrets_file", default=None,
               type=click.Path(dir_okay=False, path_type=Path),
               help="JSON or TOML: tenant -> {NAME: value}; each tenant's sandboxes get only theirs.")
-@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, 10000), default=10, show_default=True)
-@click.option("--lease-seconds", type=click.FloatRange(0.5, 86400), default=30.0, show_default=True)
-@click.option("--poll-seconds", type=click.FloatRange(0.05, 60), default=1.0, show_default=True,
-              help="Polling fallback when no NOTIFY arrives.")
-@click.option("--backoff-base", type=click.FloatRange(0, 3600), default=2.0, show_default=True,
-              help="Retry backoff base in seconds (full jitter, doubling per attempt).")
-@click.option("--backoff-cap", type=click.FloatRange(0, 86400), default=600.0, show_default=True)
-@click.option("--fair-by", type=click.Choice(["jobs", "runtime"]), default="jobs", show_default=True,
-              help="DRR cost: one unit per job, or measured run seconds.")
-@click.option("--quantum-seconds", type=click.FloatRange(0.001, 3600), default=1.0, show_default=True,
-              help="With --fair-by runtime: credit per turn and unit of weight.")
-@click.option("--interactive-share", type=click.FloatRange(0, 1), default=0.3, show_default=True,
-              help="Share of slots reserved for interactive work (lent out when unused).")
+@setting_option("--concurrency", type=click.IntRange(1, 256), setting="worker_concurrency",
+                help="Slots: batches run at once.")
+@setting_option("--batch-size", type=click.IntRange(1, 10000), setting="worker_batch_size",
+                help="Most jobs a slot leases at once (all of one tenant).")
+@setting_option("--lease-seconds", type=click.FloatRange(0.5, 86400), setting="worker_lease_seconds",
+                help="A batch's lease, heartbeated three times per period.")
+@setting_option("--poll-seconds", type=click.FloatRange(0.05, 60), setting="worker_poll_seconds",
+                help="Polling fallback when no NOTIFY arrives.")
+@setting_option("--backoff-base", type=click.FloatRange(0, 3600), setting="worker_backoff_base",
+                help="Retry backoff base in seconds (full jitter, doubling per attempt).")
+@setting_option("--backoff-cap", type=click.FloatRange(0, 86400), setting="worker_backoff_cap",
+                help="The longest retry backoff in seconds.")
+@setting_option("--fair-by", type=click.Choice(["jobs", "runtime"]), setting="worker_fair_by",
+                help="DRR cost: one unit per job, or measured run seconds.")
+@setting_option("--quantum-seconds", type=click.FloatRange(0.001, 3600), setting="worker_quantum_seconds",
+                help="With --fair-by runtime: credit per turn and unit of weight.")
+@setting_option("--interactive-share", type=click.FloatRange(0, 1), setting="worker_interactive_share",
+                help="Share of slots reserved for interactive work (lent out when unused).")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus /metrics on 127.0.0.1:PORT.")
 @click.option("--on-dead", default=None, help="Command run with each dead job as JSON on stdin.")
@@ -49,18 +55,20 @@ from tenantq.errors import TenantqError
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
               help="Default: text with a live progress line on a terminal, JSON lines otherwise.")
 @click.option("--once", is_flag=True, help="Drain what is runnable now, then exit.")
-@click.option("--snapshots", type=click.Choice(["auto", "off"]), default="auto", show_default=True,
-              help="Restore sandboxes from the app's warm template where the driver can (gvisor).")
-@click.option("--keep-warm", type=click.FloatRange(0, 86400), default=0.0, show_default=True,
-              help="Keep a tenant's sandbox this many idle seconds for its next batch (0: never).")
-@click.option("--max-batches-per-sandbox", type=click.IntRange(1, 100000), default=50, show_default=True)
+@setting_option("--snapshots", type=click.Choice(["auto", "off"]), setting="worker_snapshots",
+                help="Restore sandboxes from the app's warm template where the driver can (gvisor).")
+@setting_option("--keep-warm", type=click.FloatRange(0, 86400), setting="worker_keep_warm",
+                help="Keep a tenant's sandbox this many idle seconds for its next batch (0: never).")
+@setting_option("--max-batches-per-sandbox", type=click.IntRange(1, 100000),
+                setting="worker_max_batches_per_sandbox",
+                help="Batches a kept-warm sandbox serves before it is replaced.")
 @click.option("--hibernate-after", type=click.FloatRange(0, 86400), default=None,
               help="Checkpoint a kept-warm sandbox to disk after this many idle seconds.")
-@click.option("--ready-pool", type=click.IntRange(0, 64), default=0, show_default=True,
-              help="Keep this many pristine sandboxes restored (or booted) ahead of demand, "
-                   "bound to a tenant only when its batch takes one.")
-@click.option("--work-mb", type=click.IntRange(1, 65536), default=128, show_default=True,
-              help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
+@setting_option("--ready-pool", type=click.IntRange(0, 64), setting="worker_ready_pool",
+                help="Keep this many pristine sandboxes restored (or booted) ahead of demand, "
+                     "bound to a tenant only when its batch takes one.")
+@setting_option("--work-mb", type=click.IntRange(1, 65536), setting="worker_work_mb",
+                help="Quota of a sandbox's work dir (a tmpfs: ENOSPC past it; counts as sandbox memory).")
 @click.option("--app-db", "app_db_url", default=None, metavar="URL",
               help="The application's database for inline handlers' ctx.db(), tenant-scoped "
                    "(default: TENANTQ_APP_DATABASE_URL).")
@@ -115,31 +123,34 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
         db_ = q.db
     db_.check()
 
-    from tenantq.cli_sandbox import make_executor
+    from tenantq.dispatch.build import build_worker
     from tenantq.dispatch.executors.warm import WarmPolicy
     from tenantq.dispatch.outcome import Backoff
-    from tenantq.dispatch.worker import Worker, WorkerConfig
+    from tenantq.dispatch.worker import WorkerConfig
     from tenantq.fairness.drr import Mode
     from tenantq.observe.alerts import DeadLetterAlerts
     from tenantq.observe.logs import ProgressLine
-    from tenantq.observe.metrics import serve_worker_metrics
+    from tenantq.observe.queue_metrics import serve_worker_metrics
     from tenantq.tenant_data import AppDatabase
 
+    if sandbox == "inline":
+        logging.getLogger("tenantq.worker").warning(
+            "--sandbox inline: every kind runs inside this process; use it for trusted code only")
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
                         max_idle=concurrency, ready_pool=ready_pool)
     app_db_config = Settings().app_database(app_db_url, app_db_role)
     app_db = AppDatabase(app_db_config).open() if app_db_config is not None else None
     try:
-        executor = make_executor(module, sandbox, policy, secrets, work_mb=work_mb, app_db=app_db,
-                                 sandbox_paths=[*Settings().sandbox_path_list(), *sandbox_paths])
         config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                               poll_seconds=poll_seconds, once=once,
                               backoff=Backoff(base_seconds=backoff_base, cap_seconds=backoff_cap),
                               fair_by=Mode(fair_by), quantum_seconds=quantum_seconds,
                               interactive_share=interactive_share, store_connections=store_connections)
-        w = Worker(db_, executor, config, secrets=secrets.for_tenant,
-                   alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
+        w = build_worker(db_, app=module, sandbox=sandbox, config=config, policy=policy, secrets=secrets,
+                         work_mb=work_mb, app_db=app_db,
+                         sandbox_paths=[*Settings().sandbox_path_list(), *sandbox_paths],
+                         alerts=DeadLetterAlerts(command=on_dead, url=on_dead_url))
         if metrics_port is not None:
             serve_worker_metrics(db_, metrics_port, top_tenants=Settings().metrics_top_tenants)
         _install_signal_handlers(w.stop)

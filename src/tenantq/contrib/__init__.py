@@ -1,0 +1,1 @@
+"""Integrations with web frameworks (`tenantq.contrib.django`)."""
