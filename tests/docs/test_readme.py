@@ -68,3 +68,13 @@ def test_every_readme_block_runs_as_written(tmp_path: Path, db: Database) -> Non
             ran.append(line)
     assert any(line.startswith("tenantq worker") for line in ran), ran
     assert any("pytest" in line for line in ran), ran
+
+
+def test_the_readme_names_every_benchmark() -> None:
+    """`./run bench NAME`: the README's list is the runner's (bench/__main__.py)."""
+    from bench.__main__ import BENCHMARKS
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("`./run bench [NAME ...]`", 1)[1].split("`./run fuzz", 1)[0]
+    listed = set(re.findall(r"`([a-z-]+)`", section.split("):", 1)[1]))
+    assert listed == set(BENCHMARKS), f"README lists {sorted(listed)}; bench has {sorted(BENCHMARKS)}"
