@@ -133,14 +133,15 @@ def worker(app: str, sandbox: str, secrets_file: Path | None, concurrency: int, 
     from tenantq.observe.queue_metrics import serve_worker_metrics
     from tenantq.tenant_data import AppDatabase
 
-    if sandbox == "inline":
-        logging.getLogger("tenantq.worker").warning(
-            "--sandbox inline: every kind runs inside this process; use it for trusted code only")
     policy = WarmPolicy(snapshots=snapshots == "auto", keep_warm_seconds=keep_warm,
                         max_batches=max_batches_per_sandbox, hibernate_after=hibernate_after,
                         max_idle=concurrency, ready_pool=ready_pool)
     app_db_config = Settings().app_database(app_db_url, app_db_role)
     app_db = AppDatabase(app_db_config).open() if app_db_config is not None else None
+    # after the app database answered: one that does not is a one-line error, nothing before it
+    if sandbox == "inline":
+        logging.getLogger("tenantq.worker").warning(
+            "--sandbox inline: every kind runs inside this process; use it for trusted code only")
     try:
         config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, lease_seconds=lease_seconds,
                               poll_seconds=poll_seconds, once=once,
