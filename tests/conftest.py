@@ -41,13 +41,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     for made in _SESSION_DATA_DIR:
-        from tenantq.store.embedded import embedded_pgdata, stop_embedded
-
-        if (embedded_pgdata(made) / "PG_VERSION").exists():
-            stop_embedded(made)
-        _unmount_under(made)
-        shutil.rmtree(made, ignore_errors=True)
+        remove_data_dir(made)
     _SESSION_DATA_DIR.clear()
+
+
+def remove_data_dir(made: Path) -> None:
+    """A data dir the tests made (here, or `./run test` for both halves):
+    its embedded Postgres stopped, what sandboxes left mounted unmounted, then removed."""
+    from tenantq.store.embedded import embedded_pgdata, stop_embedded
+
+    if (embedded_pgdata(made) / "PG_VERSION").exists():
+        stop_embedded(made)
+    _unmount_under(made)
+    shutil.rmtree(made, ignore_errors=True)
 
 
 def _unmount_under(path: Path) -> None:
