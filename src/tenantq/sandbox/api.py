@@ -248,16 +248,6 @@ class Sandbox(SandboxCore):
         ttl = _positive("ttl_seconds", ttl_seconds, most=MAX_TTL_SECONDS)
         self.host.extend_deadline(ttl)
 
-    def is_running(self) -> bool:
-        return super().is_running()
-
-    def delete(self) -> bool:
-        """End the sandbox and remove everything it left on the host;
-        False when it was already gone."""
-        return super().delete()
-
-    kill = delete
-
     # -- fork (gVisor) ---------------------------------------------------------------------
 
     def fork(self, ttl_seconds: float | None = None) -> Sandbox:
